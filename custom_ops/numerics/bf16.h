@@ -1,0 +1,28 @@
+// Scalar bfloat16 <-> float32 conversions: the reference semantics every ISA variant must match.
+//
+// bf16 is the upper half of an IEEE float32. Widening is exact (shift left by 16). Narrowing rounds to
+// nearest-even on the dropped 16 bits, as PyTorch's `tensor.to(torch.bfloat16)` does; NaN stays NaN (quiet bit
+// forced so that rounding can never turn a NaN payload into infinity).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace dsv4 {
+
+inline float Bf16ToF32(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t F32ToBf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);  // NaN
+  const uint32_t rounding_bias = 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>((bits + rounding_bias) >> 16);
+}
+
+}  // namespace dsv4

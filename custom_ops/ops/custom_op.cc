@@ -1,0 +1,526 @@
+// ORT glue: turns each op of the generated table into OrtCustomOp instances (C API only), reads and validates
+// attributes against the table, checks ranks, infers output types/shapes from the table's shape rules, runs the
+// op's kernel class with an ORT-backed ComputeContext, and converts every C++ exception into an OrtStatus.
+#include "ops/custom_op.h"
+
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <thread>
+
+#include "op_table_gen.h"
+
+namespace dsv4::glue {
+namespace {
+
+const OrtApi* g_api = nullptr;
+
+// Throws OpError if an ORT call failed.
+void Check(OrtStatus* status) {
+  if (status == nullptr) return;
+  std::string msg = Api().GetErrorMessage(status);
+  Api().ReleaseStatus(status);
+  throw OpError(msg);
+}
+
+OrtStatus* MakeStatus(OrtErrorCode code, const std::string& msg) { return Api().CreateStatus(code, msg.c_str()); }
+
+const TableOp& AsTableOp(const OrtCustomOp* op) { return *static_cast<const TableOp*>(op); }
+
+int ResolveType(const TableOp& op, int code) { return code > 0 ? code : op.type_assignment[-code - 1]; }
+
+// ---- Attributes --------------------------------------------------------------------------------------------------
+
+bool ReadIntAttr(const OrtKernelInfo* info, const char* name, int64_t* out) {
+  OrtStatus* s = Api().KernelInfoGetAttribute_int64(info, name, out);
+  if (s == nullptr) return true;
+  Api().ReleaseStatus(s);
+  return false;
+}
+
+bool ReadFloatAttr(const OrtKernelInfo* info, const char* name, float* out) {
+  OrtStatus* s = Api().KernelInfoGetAttribute_float(info, name, out);
+  if (s == nullptr) return true;
+  Api().ReleaseStatus(s);
+  return false;
+}
+
+bool ReadStringAttr(const OrtKernelInfo* info, const char* name, std::string* out) {
+  size_t size = 0;
+  OrtStatus* s = Api().KernelInfoGetAttribute_string(info, name, nullptr, &size);
+  if (s != nullptr) {
+    Api().ReleaseStatus(s);
+    if (size == 0) return false;
+  }
+  std::string buf(size, '\0');
+  Check(Api().KernelInfoGetAttribute_string(info, name, buf.data(), &size));
+  buf.resize(size > 0 ? size - 1 : 0);  // size includes the terminating NUL
+  *out = buf;
+  return true;
+}
+
+Attributes ReadAttributes(const optable::OpSpec& spec, const OrtKernelInfo* info) {
+  Attributes attrs;
+  for (int i = 0; i < spec.num_attrs; ++i) {
+    const optable::AttrSpec& a = spec.attrs[i];
+    Attributes::Value v;
+    v.name = a.name;
+    bool found = false;
+    double numeric = 0;
+    switch (a.kind) {
+      case optable::AttrKind::kInt:
+        found = ReadIntAttr(info, a.name, &v.i);
+        if (!found) v.i = a.int_default;
+        numeric = static_cast<double>(v.i);
+        break;
+      case optable::AttrKind::kFloat: {
+        float f = 0;
+        found = ReadFloatAttr(info, a.name, &f);
+        v.f = found ? f : a.float_default;
+        numeric = v.f;
+        if (!std::isfinite(numeric)) Fail("attribute '", a.name, "' must be finite (got ", v.f, ")");
+        break;
+      }
+      case optable::AttrKind::kString:
+        found = ReadStringAttr(info, a.name, &v.s);
+        if (!found && a.string_default != nullptr) v.s = a.string_default;
+        break;
+    }
+    if (!found && a.required) Fail("required attribute '", a.name, "' is missing");
+    if (a.kind != optable::AttrKind::kString) {
+      if (a.has_min && numeric < a.min) Fail("attribute '", a.name, "' must be >= ", a.min, " (got ", numeric, ")");
+      if (a.has_max && numeric > a.max) Fail("attribute '", a.name, "' must be <= ", a.max, " (got ", numeric, ")");
+    } else if (a.choices != nullptr) {
+      bool ok = false;
+      std::string choices = a.choices;
+      std::istringstream is(choices);
+      for (std::string c; std::getline(is, c, '|');) ok = ok || c == v.s;
+      if (!ok) Fail("attribute '", a.name, "' must be one of {", choices, "} (got '", v.s, "')");
+    }
+    attrs.values.push_back(std::move(v));
+  }
+  return attrs;
+}
+
+// ---- Shape rules -------------------------------------------------------------------------------------------------
+
+struct Dim {
+  int64_t value = -1;  // -1 = unknown
+  std::string symbol;  // symbolic name when unknown
+};
+
+int InputIndex(const optable::OpSpec& spec, const std::string& name) {
+  for (int i = 0; i < spec.num_inputs; ++i)
+    if (name == spec.inputs[i].name) return i;
+  return -1;
+}
+
+// Evaluates one output's shape rule. `inputs[i]` holds input i's dims (empty optional for unknown rank).
+// Returns false when the shape cannot be determined (unknown ranks).
+template <class GetDims, class GetAttr>
+bool EvalShapeRule(const optable::OpSpec& spec, const char* rule, GetDims&& input_dims, GetAttr&& attr_int,
+                   std::vector<Dim>* out) {
+  if (rule == nullptr) return false;
+  std::string all = rule;
+  std::istringstream is(all);
+  for (std::string tok; std::getline(is, tok, ';');) {
+    if (tok.empty()) continue;
+    if (tok[0] == '@') {
+      int64_t v = 0;
+      if (!attr_int(tok.substr(1), &v)) return false;
+      out->push_back({v, ""});
+      continue;
+    }
+    const size_t lb = tok.find('[');
+    if (lb == std::string::npos) {
+      out->push_back({std::stoll(tok), ""});
+      continue;
+    }
+    const int idx = InputIndex(spec, tok.substr(0, lb));
+    const std::vector<Dim>* dims = idx >= 0 ? input_dims(idx) : nullptr;
+    if (dims == nullptr) return false;
+    const int rank = static_cast<int>(dims->size());
+    const std::string inside = tok.substr(lb + 1, tok.size() - lb - 2);
+    const size_t colon = inside.find(':');
+    auto norm = [rank](long long i) { return static_cast<int>(i < 0 ? i + rank : i); };
+    if (colon == std::string::npos) {
+      const int i = norm(std::stoll(inside));
+      if (i < 0 || i >= rank) return false;
+      out->push_back((*dims)[i]);
+    } else {
+      const std::string a = inside.substr(0, colon), b = inside.substr(colon + 1);
+      const int begin = a.empty() ? 0 : norm(std::stoll(a));
+      const int end = b.empty() ? rank : norm(std::stoll(b));
+      for (int i = std::max(begin, 0); i < std::min(end, rank); ++i) out->push_back((*dims)[i]);
+    }
+  }
+  return true;
+}
+
+// ---- OrtCustomOp callbacks ---------------------------------------------------------------------------------------
+
+const char* ORT_API_CALL GetName(const OrtCustomOp* op) { return AsTableOp(op).spec->name; }
+const char* ORT_API_CALL GetEp(const OrtCustomOp*) { return "CPUExecutionProvider"; }
+
+ONNXTensorElementDataType ORT_API_CALL GetInputType(const OrtCustomOp* op, size_t i) {
+  const TableOp& t = AsTableOp(op);
+  return static_cast<ONNXTensorElementDataType>(ResolveType(t, t.spec->inputs[i].type));
+}
+size_t ORT_API_CALL GetInputTypeCount(const OrtCustomOp* op) { return AsTableOp(op).spec->num_inputs; }
+ONNXTensorElementDataType ORT_API_CALL GetOutputType(const OrtCustomOp* op, size_t i) {
+  const TableOp& t = AsTableOp(op);
+  return static_cast<ONNXTensorElementDataType>(ResolveType(t, t.spec->outputs[i].type));
+}
+size_t ORT_API_CALL GetOutputTypeCount(const OrtCustomOp* op) { return AsTableOp(op).spec->num_outputs; }
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL GetInputCharacteristic(const OrtCustomOp* op, size_t i) {
+  return AsTableOp(op).spec->inputs[i].optional ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+}
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL GetOutputCharacteristic(const OrtCustomOp* op, size_t i) {
+  return AsTableOp(op).spec->outputs[i].optional ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+}
+OrtMemType ORT_API_CALL GetInputMemoryType(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
+int ORT_API_CALL GetVariadicMinArity(const OrtCustomOp*) { return 1; }
+int ORT_API_CALL GetVariadicHomogeneity(const OrtCustomOp*) { return 1; }
+int ORT_API_CALL GetStartVersion(const OrtCustomOp* op) { return AsTableOp(op).spec->since_version; }
+int ORT_API_CALL GetEndVersion(const OrtCustomOp*) { return std::numeric_limits<int>::max(); }
+
+std::string Prefix(const optable::OpSpec& spec) { return std::string(spec.name) + ": "; }
+
+struct KernelState {
+  const TableOp* op;
+  Attributes attrs;
+  std::unique_ptr<Kernel> kernel;
+};
+
+OrtStatus* ORT_API_CALL CreateKernelV2(const OrtCustomOp* op, const OrtApi*, const OrtKernelInfo* info,
+                                       void** kernel) {
+  const TableOp& t = AsTableOp(op);
+  try {
+    auto state = std::make_unique<KernelState>();
+    state->op = &t;
+    state->attrs = ReadAttributes(*t.spec, info);
+    KernelInit init{t.spec, &state->attrs, t.isa, &GetKernelTables(t.isa)};
+    state->kernel = t.factory(init);
+    *kernel = state.release();
+    return nullptr;
+  } catch (const std::exception& e) {
+    return MakeStatus(ORT_INVALID_ARGUMENT, Prefix(*t.spec) + e.what());
+  } catch (...) {
+    return MakeStatus(ORT_FAIL, Prefix(*t.spec) + "unknown error while creating the kernel");
+  }
+}
+
+void ORT_API_CALL KernelDestroy(void* kernel) { delete static_cast<KernelState*>(kernel); }
+
+// Runs a kernel's task list on the session's intra-op pool.
+void RunOnOrtPool(void* backend, size_t num_tasks, Parallel::TaskFn fn, void* arg) {
+  Check(Api().KernelContext_ParallelFor(static_cast<const OrtKernelContext*>(backend), fn, num_tasks, 0, arg));
+}
+
+int HardwareThreads() {
+  static const int n = [] {
+    const unsigned h = std::thread::hardware_concurrency();
+    return h == 0 ? 1 : static_cast<int>(h);
+  }();
+  return n;
+}
+
+class OrtComputeContext final : public ComputeContext {
+ public:
+  OrtComputeContext(const TableOp& op, OrtKernelContext* ctx) : op_(op), ctx_(ctx) {
+    size_t n = 0;
+    Check(Api().KernelContext_GetInputCount(ctx, &n));
+    inputs_.resize(op.spec->num_inputs);
+    for (int i = 0; i < op.spec->num_inputs; ++i) {
+      InputView& v = inputs_[i];
+      v.name = op.spec->inputs[i].name;
+      const OrtValue* value = nullptr;
+      if (static_cast<size_t>(i) < n) Check(Api().KernelContext_GetInput(ctx, i, &value));
+      if (value == nullptr) {
+        if (!op.spec->inputs[i].optional) Fail("input '", v.name, "' is missing");
+        continue;
+      }
+      v.present = true;
+      OrtTensorTypeAndShapeInfo* info = nullptr;
+      Check(Api().GetTensorTypeAndShape(value, &info));
+      ONNXTensorElementDataType type;
+      size_t rank = 0;
+      OrtStatus* s = Api().GetTensorElementType(info, &type);
+      if (s == nullptr) s = Api().GetDimensionsCount(info, &rank);
+      if (s == nullptr) {
+        v.shape.resize(rank);
+        s = Api().GetDimensions(info, v.shape.data(), rank);
+      }
+      Api().ReleaseTensorTypeAndShapeInfo(info);
+      Check(s);
+      v.dtype = type;
+      v.numel = 1;
+      for (int64_t d : v.shape) v.numel *= d;
+      void* data = nullptr;
+      if (v.numel > 0 && type != ONNX_TENSOR_ELEMENT_DATA_TYPE_STRING) {
+        Check(Api().GetTensorMutableData(const_cast<OrtValue*>(value), &data));
+      }
+      v.data = data;
+      const optable::IoSpec& io = op.spec->inputs[i];
+      if (io.rank >= 0 && v.rank() != io.rank) {
+        Fail("input '", v.name, "' must have rank ", io.rank, ", got shape ", ShapeString(v.shape));
+      }
+      if (io.rank < 0 && v.rank() < io.min_rank) {
+        Fail("input '", v.name, "' must have rank >= ", io.min_rank, ", got shape ", ShapeString(v.shape));
+      }
+    }
+    par_.backend = ctx;
+    par_.run = &RunOnOrtPool;
+    par_.num_threads = HardwareThreads();
+  }
+
+  const InputView& Input(int index) const override { return inputs_.at(index); }
+  int NumInputs() const override { return static_cast<int>(inputs_.size()); }
+  const Parallel& Par() const override { return par_; }
+
+  void* Output(int index, const std::vector<int64_t>& shape) override {
+    OrtValue* value = nullptr;
+    for (int64_t d : shape) {
+      if (d < 0) Fail("internal error: negative output dimension for '", op_.spec->outputs[index].name, "'");
+    }
+    Check(Api().KernelContext_GetOutput(ctx_, index, shape.data(), shape.size(), &value));
+    int64_t numel = 1;
+    for (int64_t d : shape) numel *= d;
+    if (numel == 0) return nullptr;
+    void* data = nullptr;
+    Check(Api().GetTensorMutableData(value, &data));
+    return data;
+  }
+
+  void OutputStrings(int index, const std::vector<int64_t>& shape, const std::vector<std::string>& values) override {
+    OrtValue* value = nullptr;
+    Check(Api().KernelContext_GetOutput(ctx_, index, shape.data(), shape.size(), &value));
+    std::vector<const char*> ptrs;
+    for (const std::string& s : values) ptrs.push_back(s.c_str());
+    Check(Api().FillStringTensor(value, ptrs.data(), ptrs.size()));
+  }
+
+ private:
+  const TableOp& op_;
+  OrtKernelContext* ctx_;
+  std::vector<InputView> inputs_;
+  Parallel par_;
+};
+
+OrtStatus* ORT_API_CALL KernelComputeV2(void* kernel, OrtKernelContext* context) {
+  auto* state = static_cast<KernelState*>(kernel);
+  const optable::OpSpec& spec = *state->op->spec;
+  try {
+    OrtComputeContext ctx(*state->op, context);
+    state->kernel->Compute(ctx);
+    return nullptr;
+  } catch (const OpError& e) {
+    return MakeStatus(ORT_INVALID_ARGUMENT, Prefix(spec) + e.what());
+  } catch (const std::bad_alloc&) {
+    return MakeStatus(ORT_FAIL, Prefix(spec) + "out of memory");
+  } catch (const std::exception& e) {
+    return MakeStatus(ORT_FAIL, Prefix(spec) + e.what());
+  } catch (...) {
+    return MakeStatus(ORT_FAIL, Prefix(spec) + "unknown error");
+  }
+}
+
+// V1 entry points are never used (ORT >= 1.16 prefers V2) but must not be null for older code paths.
+void* ORT_API_CALL CreateKernelV1(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info) {
+  void* kernel = nullptr;
+  OrtStatus* s = CreateKernelV2(op, api, info, &kernel);
+  if (s != nullptr) Api().ReleaseStatus(s);
+  return kernel;
+}
+void ORT_API_CALL KernelComputeV1(void* kernel, OrtKernelContext* context) {
+  OrtStatus* s = KernelComputeV2(kernel, context);
+  if (s != nullptr) Api().ReleaseStatus(s);
+}
+
+// Shape inference from the table's shape rules; element types from the op's type constraints, resolved against
+// the node's actual input types.
+OrtStatus* ORT_API_CALL InferOutputShape(const OrtCustomOp* op, OrtShapeInferContext* ctx) {
+  const TableOp& t = AsTableOp(op);
+  const optable::OpSpec& spec = *t.spec;
+  try {
+    size_t n_in = 0;
+    Check(Api().ShapeInferContext_GetInputCount(ctx, &n_in));
+    std::vector<std::vector<Dim>> dims(spec.num_inputs);
+    std::vector<bool> known(spec.num_inputs, false);
+    std::vector<int> types(spec.num_inputs, 0);
+    for (int i = 0; i < spec.num_inputs && static_cast<size_t>(i) < n_in; ++i) {
+      OrtTensorTypeAndShapeInfo* info = nullptr;
+      OrtStatus* s = Api().ShapeInferContext_GetInputTypeShape(ctx, i, &info);
+      if (s != nullptr) {  // absent optional input
+        Api().ReleaseStatus(s);
+        continue;
+      }
+      if (info == nullptr) continue;
+      ONNXTensorElementDataType type;
+      Check(Api().GetTensorElementType(info, &type));
+      types[i] = type;
+      size_t rank = 0;
+      Check(Api().GetDimensionsCount(info, &rank));
+      std::vector<int64_t> values(rank);
+      std::vector<const char*> symbols(rank, nullptr);
+      Check(Api().GetDimensions(info, values.data(), rank));
+      Check(Api().GetSymbolicDimensions(info, symbols.data(), rank));
+      for (size_t d = 0; d < rank; ++d) dims[i].push_back({values[d], symbols[d] ? symbols[d] : ""});
+      known[i] = true;
+    }
+    auto input_dims = [&](int i) -> const std::vector<Dim>* { return known[i] ? &dims[i] : nullptr; };
+    auto attr_int = [&](const std::string& name, int64_t* v) {
+      const OrtOpAttr* attr = nullptr;
+      OrtStatus* s = Api().ShapeInferContext_GetAttribute(ctx, name.c_str(), &attr);
+      if (s != nullptr) Api().ReleaseStatus(s);
+      if (s != nullptr || attr == nullptr) {
+        for (int a = 0; a < spec.num_attrs; ++a) {
+          if (name == spec.attrs[a].name && !spec.attrs[a].required) {
+            *v = spec.attrs[a].int_default;
+            return true;
+          }
+        }
+        return false;
+      }
+      size_t size = 0;
+      Check(Api().ReadOpAttr(attr, ORT_OP_ATTR_INT, v, sizeof(*v), &size));
+      return true;
+    };
+    for (int o = 0; o < spec.num_outputs; ++o) {
+      const optable::IoSpec& io = spec.outputs[o];
+      int type = io.type;
+      if (type < 0) {  // first present input bound to the same type constraint
+        type = 0;
+        for (int i = 0; i < spec.num_inputs && type == 0; ++i)
+          if (spec.inputs[i].type == io.type && types[i] != 0) type = types[i];
+        if (type == 0) continue;
+      }
+      std::vector<Dim> out;
+      OrtTensorTypeAndShapeInfo* info = nullptr;
+      Check(Api().CreateTensorTypeAndShapeInfo(&info));
+      OrtStatus* s = Api().SetTensorElementType(info, static_cast<ONNXTensorElementDataType>(type));
+      if (s == nullptr && EvalShapeRule(spec, io.shape, input_dims, attr_int, &out)) {
+        std::vector<int64_t> values;
+        std::vector<const char*> symbols;
+        for (const Dim& d : out) {
+          values.push_back(d.value);
+          symbols.push_back(d.symbol.c_str());
+        }
+        s = Api().SetDimensions(info, values.data(), values.size());
+        if (s == nullptr) s = Api().SetSymbolicDimensions(info, symbols.data(), symbols.size());
+      }
+      if (s == nullptr) s = Api().ShapeInferContext_SetOutputTypeShape(ctx, o, info);
+      Api().ReleaseTensorTypeAndShapeInfo(info);
+      Check(s);
+    }
+    return nullptr;
+  } catch (const std::exception& e) {
+    return MakeStatus(ORT_INVALID_GRAPH, Prefix(spec) + e.what());
+  }
+}
+
+void Enumerate(const optable::OpSpec& spec, int var, std::array<int, kMaxTypeVars>& current,
+               std::vector<std::array<int, kMaxTypeVars>>* out) {
+  if (var >= spec.num_type_vars || var >= kMaxTypeVars) {
+    out->push_back(current);
+    return;
+  }
+  for (int i = 0; i < spec.type_vars[var].num_types; ++i) {
+    current[var] = spec.type_vars[var].types[i];
+    Enumerate(spec, var + 1, current, out);
+  }
+}
+
+}  // namespace
+
+const OrtApi& Api() { return *g_api; }
+void SetApi(const OrtApi* api) { g_api = api; }
+
+std::vector<std::unique_ptr<TableOp>> BuildTableOps(IsaLevel isa) {
+  std::vector<std::unique_ptr<TableOp>> ops;
+  for (int k = 0; k < optable::kNumOps; ++k) {
+    const optable::OpSpec& spec = optable::kOps[k];
+    const KernelRegistration* reg = FindKernel(spec.name);
+    if (reg == nullptr) Fail("op '", spec.name, "' of the op table has no kernel in this library");
+    if (spec.num_type_vars > kMaxTypeVars) Fail("op '", spec.name, "' has too many type constraints");
+    std::vector<std::array<int, kMaxTypeVars>> assignments;
+    std::array<int, kMaxTypeVars> current{};
+    Enumerate(spec, 0, current, &assignments);
+    for (const auto& assignment : assignments) {
+      auto op = std::make_unique<TableOp>();
+      OrtCustomOp& c = *op;
+      std::memset(static_cast<void*>(&c), 0, sizeof(OrtCustomOp));
+      c.version = optable::kOrtApiVersion;
+      c.CreateKernel = &CreateKernelV1;
+      c.GetName = &GetName;
+      c.GetExecutionProviderType = &GetEp;
+      c.GetInputType = &GetInputType;
+      c.GetInputTypeCount = &GetInputTypeCount;
+      c.GetOutputType = &GetOutputType;
+      c.GetOutputTypeCount = &GetOutputTypeCount;
+      c.KernelCompute = &KernelComputeV1;
+      c.KernelDestroy = &KernelDestroy;
+      c.GetInputCharacteristic = &GetInputCharacteristic;
+      c.GetOutputCharacteristic = &GetOutputCharacteristic;
+      c.GetInputMemoryType = &GetInputMemoryType;
+      c.GetVariadicInputMinArity = &GetVariadicMinArity;
+      c.GetVariadicInputHomogeneity = &GetVariadicHomogeneity;
+      c.GetVariadicOutputMinArity = &GetVariadicMinArity;
+      c.GetVariadicOutputHomogeneity = &GetVariadicHomogeneity;
+      c.CreateKernelV2 = &CreateKernelV2;
+      c.KernelComputeV2 = &KernelComputeV2;
+      c.InferOutputShapeFn = &InferOutputShape;
+      c.GetStartVersion = &GetStartVersion;
+      c.GetEndVersion = &GetEndVersion;
+      op->spec = &spec;
+      op->type_assignment = assignment;
+      op->isa = isa;
+      op->factory = reg->factory;
+      ops.push_back(std::move(op));
+    }
+  }
+  return ops;
+}
+
+const char* DTypeName(int dtype) {
+  switch (dtype) {
+    case kFloat: return "float";
+    case kUint8: return "uint8";
+    case kInt8: return "int8";
+    case kInt32: return "int32";
+    case kInt64: return "int64";
+    case kString: return "string";
+    case kBFloat16: return "bfloat16";
+    case kFloat8E4M3FN: return "float8e4m3fn";
+    default: return "other";
+  }
+}
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  std::ostringstream os;
+  os << '[';
+  for (size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
+  os << ']';
+  return os.str();
+}
+
+int64_t Attributes::Int(const char* name) const {
+  for (const Value& v : values)
+    if (v.name == name) return v.i;
+  Fail("internal error: unknown attribute '", name, "'");
+}
+float Attributes::Float(const char* name) const {
+  for (const Value& v : values)
+    if (v.name == name) return static_cast<float>(v.f);
+  Fail("internal error: unknown attribute '", name, "'");
+}
+const std::string& Attributes::String(const char* name) const {
+  for (const Value& v : values)
+    if (v.name == name) return v.s;
+  Fail("internal error: unknown attribute '", name, "'");
+}
+
+}  // namespace dsv4::glue

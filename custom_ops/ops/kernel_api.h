@@ -1,0 +1,122 @@
+// The interface between the ORT glue (custom_op.cc) and each op's kernel class (ops/*_op.cc).
+//
+// An op class validates what the generic glue cannot (dimension agreement between inputs, index ranges), allocates
+// its outputs and calls the ORT-free kernels through the dispatch tables. It throws OpError with a message naming
+// the input and the limit; the glue prefixes the op name and turns it into an OrtStatus. No exception ever
+// crosses the C ABI.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "ops/op_table.h"
+#include "platform/cpu_features.h"
+#include "platform/kernel_tables.h"
+#include "platform/parallel.h"
+
+namespace dsv4::glue {
+
+// ONNX element types used by the ops.
+enum DType : int {
+  kFloat = 1, kUint8 = 2, kInt8 = 3, kInt32 = 6, kInt64 = 7, kString = 8, kBFloat16 = 16, kFloat8E4M3FN = 17,
+};
+const char* DTypeName(int dtype);
+
+class OpError : public std::runtime_error {
+ public:
+  explicit OpError(const std::string& what) : std::runtime_error(what) {}
+};
+
+// Builds a message from streamable parts and throws OpError.
+template <class... Args>
+[[noreturn]] void Fail(const Args&... args);
+
+std::string ShapeString(const std::vector<int64_t>& shape);
+
+// A read-only view of one input tensor (absent optional inputs have present == false).
+struct InputView {
+  bool present = false;
+  int dtype = 0;
+  std::vector<int64_t> shape;
+  const void* data = nullptr;
+  int64_t numel = 0;
+  const char* name = "";
+
+  int64_t dim(int i) const { return shape[i < 0 ? shape.size() + i : i]; }
+  int rank() const { return static_cast<int>(shape.size()); }
+  template <class T>
+  const T* as() const { return static_cast<const T*>(data); }
+};
+
+// Attribute values after validation against the table (defaults applied).
+class Attributes {
+ public:
+  int64_t Int(const char* name) const;
+  float Float(const char* name) const;
+  const std::string& String(const char* name) const;
+
+  struct Value {
+    std::string name;
+    int64_t i = 0;
+    double f = 0;
+    std::string s;
+  };
+  std::vector<Value> values;
+};
+
+class ComputeContext {
+ public:
+  virtual ~ComputeContext() = default;
+  virtual const InputView& Input(int index) const = 0;
+  virtual int NumInputs() const = 0;
+  // Allocates output `index` with `shape` and returns its buffer (nullptr when it has no elements).
+  virtual void* Output(int index, const std::vector<int64_t>& shape) = 0;
+  // Writes a string output (LibraryInfo only).
+  virtual void OutputStrings(int index, const std::vector<int64_t>& shape, const std::vector<std::string>& values) = 0;
+  virtual const Parallel& Par() const = 0;
+
+  template <class T>
+  T* OutputAs(int index, const std::vector<int64_t>& shape) { return static_cast<T*>(Output(index, shape)); }
+};
+
+struct KernelInit {
+  const optable::OpSpec* spec;
+  const Attributes* attrs;
+  IsaLevel isa;                // the session's effective ISA level
+  const KernelTables* tables;  // dispatch tables for that level
+};
+
+class Kernel {
+ public:
+  virtual ~Kernel() = default;
+  virtual void Compute(ComputeContext& ctx) = 0;
+};
+
+using KernelFactory = std::unique_ptr<Kernel> (*)(const KernelInit& init);
+
+template <class K>
+std::unique_ptr<Kernel> MakeKernel(const KernelInit& init) { return std::make_unique<K>(init); }
+
+// One entry per op of the table; ops/registry.cc lists them.
+struct KernelRegistration {
+  const char* op_name;
+  KernelFactory factory;
+};
+const KernelRegistration* FindKernel(const char* op_name);
+const KernelRegistration* AllKernels(int* count);
+
+}  // namespace dsv4::glue
+
+#include <sstream>
+
+namespace dsv4::glue {
+template <class... Args>
+[[noreturn]] void Fail(const Args&... args) {
+  std::ostringstream os;
+  (os << ... << args);
+  throw OpError(os.str());
+}
+}  // namespace dsv4::glue

@@ -1,0 +1,72 @@
+// Fills the per-level kernel tables (see kernel_tables.h). Built at the baseline: it only takes addresses of
+// constant tables defined in the ISA files; no ISA code runs here.
+#include "platform/kernel_tables.h"
+
+#include <array>
+
+#include "kernels/gemm_bf16.h"
+#include "kernels/hyper_connection.h"
+#include "kernels/moe_routing.h"
+
+namespace dsv4 {
+namespace {
+
+#if DSV4_X86_VARIANTS
+#define DSV4_X86_TABLE(ns, name) &ns::name
+#else
+#define DSV4_X86_TABLE(ns, name) nullptr
+#endif
+
+// Variants per family, indexed by IsaLevel (scalar, avx2, avx512, amx); nullptr = no variant at that level.
+template <class T>
+using Variants = std::array<const T*, kNumIsaLevels>;
+
+const Variants<MoeRoutingKernels> kMoeRoutingVariants = {
+    &ref::kMoeRouting, DSV4_X86_TABLE(avx2, kMoeRouting), DSV4_X86_TABLE(avx512, kMoeRouting), nullptr};
+const Variants<HyperConnectionKernels> kHyperConnectionVariants = {
+    &ref::kHyperConnection, DSV4_X86_TABLE(avx2, kHyperConnection), DSV4_X86_TABLE(avx512, kHyperConnection),
+    nullptr};
+const Variants<GemmBf16Kernels> kGemmBf16Variants = {&ref::kGemmBf16, nullptr, nullptr,
+                                                     DSV4_X86_TABLE(amx, kGemmBf16)};
+
+template <class T>
+void Pick(const Variants<T>& variants, IsaLevel level, const T** table, IsaLevel* chosen) {
+  for (int l = static_cast<int>(level); l >= 0; --l) {
+    if (variants[l] != nullptr) {
+      *table = variants[l];
+      *chosen = static_cast<IsaLevel>(l);
+      return;
+    }
+  }
+}
+
+KernelTables Build(IsaLevel level) {
+  KernelTables t;
+  t.level = level;
+  Pick(kMoeRoutingVariants, level, &t.moe_routing, &t.moe_routing_level);
+  Pick(kHyperConnectionVariants, level, &t.hyper_connection, &t.hyper_connection_level);
+  Pick(kGemmBf16Variants, level, &t.gemm_bf16, &t.gemm_bf16_level);
+  return t;
+}
+
+}  // namespace
+
+const KernelTables& GetKernelTables(IsaLevel level) {
+  static const std::array<KernelTables, kNumIsaLevels> tables = [] {
+    std::array<KernelTables, kNumIsaLevels> all;
+    const int max = static_cast<int>(MaxSupportedIsa());
+    for (int l = 0; l < kNumIsaLevels; ++l) all[l] = Build(static_cast<IsaLevel>(l <= max ? l : max));
+    return all;
+  }();
+  return tables[static_cast<int>(level)];
+}
+
+std::vector<FamilyLevel> DescribeFamilies(const KernelTables& t) {
+  std::vector<FamilyLevel> out;
+#define DSV4_DESCRIBE(member, Type, name) out.push_back({name, t.member##_level});
+  DSV4_KERNEL_FAMILIES(DSV4_DESCRIBE)
+#undef DSV4_DESCRIBE
+  return out;
+}
+
+}  // namespace dsv4

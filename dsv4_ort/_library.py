@@ -1,0 +1,85 @@
+"""Locating, registering and querying the custom-op library."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+LIBRARY_NAME = "libdsv4_ort.so"
+
+
+def get_library_path() -> str:
+    """Absolute path of the built custom-op library (``DSV4_ORT_LIBRARY`` overrides)."""
+    override = os.environ.get("DSV4_ORT_LIBRARY")
+    if override:
+        if not Path(override).is_file():
+            raise FileNotFoundError(f"DSV4_ORT_LIBRARY={override!r} does not exist")
+        return str(Path(override).resolve())
+    candidates = [Path(__file__).resolve().parent / "lib" / LIBRARY_NAME]
+    try:  # editable installs keep the built library in site-packages, apart from the sources
+        from importlib import resources
+
+        candidates.append(Path(str(resources.files("dsv4_ort") / "lib" / LIBRARY_NAME)))
+    except Exception:
+        pass
+    import sysconfig
+
+    for key in ("platlib", "purelib"):
+        candidates.append(Path(sysconfig.get_paths()[key]) / "dsv4_ort" / "lib" / LIBRARY_NAME)
+    for c in candidates:
+        if c.is_file():
+            return str(c)
+    raise FileNotFoundError(
+        f"{LIBRARY_NAME} not found (looked in {', '.join(str(c) for c in candidates)}); "
+        "build and install the package with `pip install .`")
+
+
+def register(session_options) -> None:
+    """Registers the custom-op library with an ``onnxruntime.SessionOptions``."""
+    session_options.register_custom_ops_library(get_library_path())
+
+
+def library_info(isa: str | None = None) -> dict:
+    """What the library reports about itself in a session: op table, CPU features, ISA level per kernel family.
+
+    ``isa`` caps the level like ``DSV4_ORT_ISA`` (it is read when the library is registered).
+    """
+    import numpy as np
+    import onnxruntime as ort
+
+    from . import _onnx_min
+    from .export import schema
+
+    model = _onnx_min.one_node_model("LibraryInfo", schema.DOMAIN, [("unused", 7, 1)], [("info", 8, 1)])
+    with isa_cap(isa):
+        so = ort.SessionOptions()
+        register(so)
+        sess = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+    (out,) = sess.run(None, {"unused": np.zeros(1, np.int64)})
+    info = json.loads(str(out[0]))
+    info["library_path"] = get_library_path()
+    info["onnxruntime_version"] = ort.__version__
+    return info
+
+
+class isa_cap:
+    """Context manager setting DSV4_ORT_ISA while sessions register the library (None leaves it untouched)."""
+
+    def __init__(self, isa: str | None):
+        self.isa = isa
+        self.saved = None
+
+    def __enter__(self):
+        if self.isa is not None:
+            self.saved = os.environ.get("DSV4_ORT_ISA")
+            os.environ["DSV4_ORT_ISA"] = self.isa
+        return self
+
+    def __exit__(self, *exc):
+        if self.isa is not None:
+            if self.saved is None:
+                os.environ.pop("DSV4_ORT_ISA", None)
+            else:
+                os.environ["DSV4_ORT_ISA"] = self.saved
+        return False

@@ -1,0 +1,114 @@
+"""One-node ONNX models of the ai.dsv4ort domain, run through onnxruntime with the custom-op library."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+import dsv4_ort
+from dsv4_ort.export import schema
+
+NP_TO_ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.int64): TensorProto.INT64,
+              np.dtype(np.int32): TensorProto.INT32, np.dtype(np.uint8): TensorProto.UINT8}
+
+
+class BF16(np.ndarray):
+    """Marks a uint16 array as bfloat16 storage."""
+
+
+def bf16(a) -> np.ndarray:
+    """float32 -> bfloat16 (round to nearest even), stored as uint16 and marked as bfloat16."""
+    import torch
+
+    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(torch.bfloat16)
+    return t.view(torch.int16).numpy().view(np.uint16).view(BF16)
+
+
+def bf16_to_f32(a: np.ndarray) -> np.ndarray:
+    return (np.asarray(a).astype(np.uint32) << 16).view(np.float32)
+
+
+def onnx_type(a) -> int:
+    if isinstance(a, BF16):
+        return TensorProto.BFLOAT16
+    return NP_TO_ONNX[np.asarray(a).dtype]
+
+
+def one_node_model(op: str, inputs: dict, out_types: list, attrs: dict) -> bytes:
+    """A model holding one node of our domain; graph outputs typed and shaped from the op table's rules."""
+    spec = schema.get(op)
+    out_shapes = schema.infer_output_shapes(op, [np.shape(inputs[i.name]) if inputs.get(i.name) is not None else None
+                                                 for i in spec.inputs], attrs)
+    names = [io.name for io in spec.inputs]
+    node_inputs = [n if inputs.get(n) is not None else "" for n in names]
+    while node_inputs and node_inputs[-1] == "":
+        node_inputs.pop()
+    node = schema.make_node(op, node_inputs, [o.name for o in spec.outputs], name=op.lower(), **attrs)
+    graph_inputs = [helper.make_tensor_value_info(n, onnx_type(a), list(np.shape(a)))
+                    for n, a in inputs.items() if a is not None]
+    graph_outputs = [helper.make_tensor_value_info(o.name, t, shape)
+                     for o, t, shape in zip(spec.outputs, out_types, out_shapes)]
+    graph = helper.make_graph([node], op, graph_inputs, graph_outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                     helper.make_opsetid(schema.DOMAIN, 1)], ir_version=10)
+    return model.SerializeToString()
+
+
+@functools.lru_cache(maxsize=64)
+def _session(model: bytes, isa: str | None, threads: int):
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.log_severity_level = 3
+    with dsv4_ort.isa_cap(isa):
+        dsv4_ort.register(so)
+        return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+
+
+def run_op(op: str, inputs: dict, attrs: dict | None = None, isa: str | None = None, threads: int = 2) -> list:
+    """Runs op on numpy inputs (BF16-marked arrays are fed as bfloat16). Outputs come back as numpy arrays;
+    bfloat16 outputs as float32. Output shapes are taken from the op table's shape rules."""
+    attrs = attrs or {}
+    spec = schema.get(op)
+    # Output element types: concrete, or bound through a type constraint to the first matching input.
+    out_types = []
+    for o in spec.outputs:
+        if o.type in spec.type_constraints:
+            src = next(i for i in spec.inputs if i.type == o.type and inputs.get(i.name) is not None)
+            out_types.append(onnx_type(inputs[src.name]))
+        else:
+            out_types.append(schema.ONNX_TYPES[o.type])
+    sess = _session(one_node_model(op, inputs, out_types, attrs), isa, threads)
+    shapes = schema.infer_output_shapes(op, [np.shape(inputs[i.name]) if inputs.get(i.name) is not None else None
+                                             for i in spec.inputs], attrs)
+    io = sess.io_binding()
+    for name, a in inputs.items():
+        if a is None:
+            continue
+        arr = np.ascontiguousarray(a)
+        io.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+            arr.view(np.uint16) if isinstance(a, BF16) else arr, onnx_type(a)))
+    outs = []
+    for o, t, shape in zip(spec.outputs, out_types, shapes):
+        np_dtype = {TensorProto.FLOAT: np.float32, TensorProto.INT64: np.int64,
+                    TensorProto.BFLOAT16: np.uint16}[t]
+        buf = np.empty(shape, np_dtype)
+        io.bind_output(o.name, "cpu", 0, t, list(shape), buf.ctypes.data)
+        outs.append(buf)
+    sess.run_with_iobinding(io)
+    return [bf16_to_f32(b) if t == TensorProto.BFLOAT16 else b for b, t in zip(outs, out_types)]
+
+
+def session_error(op: str, inputs: dict, attrs: dict | None = None, isa: str | None = None) -> str:
+    """Runs op expecting a failure (at session creation or run); returns the error text."""
+    try:
+        run_op(op, inputs, attrs, isa)
+    except Exception as e:  # onnxruntime raises Fail / InvalidArgument / RuntimeException
+        return str(e)
+    raise AssertionError(f"{op} accepted invalid input")
+
+
+__all__ = ["bf16", "bf16_to_f32", "run_op", "session_error", "one_node_model", "onnx"]

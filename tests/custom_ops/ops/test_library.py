@@ -1,0 +1,97 @@
+"""Library hygiene: exports, linkage, ISA capping, compatibility with old and new onnxruntime releases."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import dsv4_ort
+from conftest import available_isa_levels, library_info
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_only_register_custom_ops_is_exported():
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.fail("nm (binutils) is required for this test")
+    out = subprocess.run([nm, "-D", "--defined-only", dsv4_ort.get_library_path()], capture_output=True, text=True,
+                         check=True).stdout
+    functions = [line.split()[-1] for line in out.splitlines() if line.split()[1] in ("T", "W", "i")]
+    assert functions == ["RegisterCustomOps"], out
+
+
+def test_does_not_link_onnxruntime():
+    out = subprocess.run(["readelf", "-d", dsv4_ort.get_library_path()], capture_output=True, text=True,
+                         check=True).stdout
+    assert "onnxruntime" not in out
+    assert "libgomp" not in out  # threads come from the ORT intra-op pool only
+
+
+@pytest.mark.parametrize("level", ["scalar", "avx2", "avx512", "amx"])
+def test_isa_cap(level):
+    info = library_info(level)
+    order = dsv4_ort.ISA_LEVELS
+    expect = order[min(order.index(level), order.index(info["isa_max"]))]
+    assert info["isa"] == expect
+    for fam, chosen in info["families"].items():
+        assert order.index(chosen) <= order.index(expect), fam
+
+
+def test_scalar_cap_uses_reference_everywhere():
+    assert set(library_info("scalar")["families"].values()) == {"scalar"}
+
+
+def test_families_use_their_best_variant():
+    info = library_info()
+    if "avx512" in available_isa_levels():
+        assert info["families"]["moe_routing"] == "avx512"
+        assert info["families"]["hyper_connection"] == "avx512"
+
+
+def test_invalid_isa_value_lists_valid_ones():
+    with pytest.raises(Exception) as e:
+        dsv4_ort.library_info("sse9")
+    assert "DSV4_ORT_ISA='sse9'" in str(e.value)
+    assert "scalar, avx2, avx512, amx" in str(e.value)
+
+
+def _ort_in_target(version: str) -> Path:
+    """Installs onnxruntime==version into a cached folder (outside site-packages) and returns it."""
+    target = ROOT / "build" / "ort-compat" / version
+    if not (target / "onnxruntime").is_dir():
+        shutil.rmtree(target, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                        f"onnxruntime=={version}"], check=True)
+    return target
+
+
+SCRIPT = """
+import sys, numpy
+sys.path.insert(0, sys.argv[1])
+import onnxruntime as ort
+so = ort.SessionOptions()
+try:
+    so.register_custom_ops_library(sys.argv[2])
+except Exception as e:
+    print("ERROR", e)
+    sys.exit(3)
+print("OK", ort.__version__)
+"""
+
+
+@pytest.mark.parametrize("version,ok", [("1.21.1", True), ("1.20.1", False)])
+def test_other_onnxruntime_releases(version, ok, tmp_path):
+    target = _ort_in_target(version)
+    deps = Path(sys.modules["numpy"].__file__).parents[1]
+    env = dict(os.environ, PYTHONPATH=f"{target}{os.pathsep}{deps}")
+    r = subprocess.run([sys.executable, "-c", SCRIPT, str(target), dsv4_ort.get_library_path()], capture_output=True,
+                       text=True, env=env, cwd=tmp_path)
+    if ok:
+        assert r.returncode == 0 and f"OK {version}" in r.stdout, r.stdout + r.stderr
+    else:
+        assert r.returncode == 3, r.stdout + r.stderr
+        assert "needs ONNX Runtime API version 21" in r.stdout, r.stdout
