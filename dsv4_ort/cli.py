@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -90,7 +91,7 @@ def _cmd_run(args) -> int:
         shapes = " ".join(str(list(o.shape)) for o in outs)
         print(f"  {name:<13} {t} tokens: {ms:8.3f} ms/call  ({t / ms * 1e3:10.0f} tokens/s)  outputs {shapes}")
     w, idx = steps[1][1].run(None, steps[1][2])
-    print(f"  token 0 routed to experts {idx[0].tolist()} with weights {np.round(w[0], 3).tolist()}")
+    print(f"  token 0 routed to experts {idx[0].tolist()} with weights {[round(float(v), 3) for v in w[0]]}")
     return 0
 
 
@@ -118,11 +119,19 @@ def main(argv=None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    env_isa = os.environ.get("DSV4_ORT_ISA")
+    if env_isa and env_isa not in ISA_LEVELS:
+        print(f"dsv4-ort: error: DSV4_ORT_ISA='{env_isa}' is not a valid ISA level; valid values: "
+              f"{', '.join(ISA_LEVELS)}", file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except (FileNotFoundError, ValueError) as e:
         print(f"dsv4-ort {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # onnxruntime errors and the like: one line, no traceback
+        print(f"dsv4-ort {args.command}: error: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
