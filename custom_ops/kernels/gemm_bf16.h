@@ -3,7 +3,7 @@
 //   C[m][n] = sum_k A[m][k] * B[n][k]        A = activations, B = the Linear weight in its checkpoint layout
 //
 // Products and sums are fp32 (bf16 x bf16 is exact in fp32 apart from range limits). The weight is repacked once
-// (pack_b, at session creation) into whatever layout the table's gemm wants; a packed buffer is only valid for the
+// (pack_b, when the model is loaded) into whatever layout the table's gemm wants; a packed buffer is only valid for the
 // gemm of the SAME table that packed it (the reference keeps [N, K]; the AMX tables use a VNNI tile layout, see
 // gemm_bf16_amx.cc). Tables:
 //   ref      scalar, the spec: one fp32 sum per output, k in increasing order (gemm_bf16_ref.cc).

@@ -27,7 +27,9 @@
 //   y[i] = sum_k pre[k] * X[k][i]           (fp32, rounded once to x's dtype)
 //
 // bf16 tensors are uint16_t bit patterns; widening is exact and narrowing rounds to nearest-even with NaN kept quiet
-// (custom_ops/numerics/bf16.h). Every kernel's math is fp32.
+// (custom_ops/numerics/bf16.h). All arithmetic is fp32, except that the two reductions of length hc*d (sum of
+// squares, projection) fold their fp32 partial sums into double totals, so that every variant stays within a few
+// fp32 ulps of the exact value and sums in an order that does not depend on batching or threading.
 //
 // Shapes (row-major, contiguous; N tokens, hc streams, d = dim):
 //   HcPre   x [N, hc, d], fn [(2+hc)*hc, hc*d] fp32, scale [3], base [(2+hc)*hc]

@@ -87,13 +87,13 @@ void HcPost(const T* f, const T* residual, const float* post, const float* comb,
   par.ForRange(static_cast<size_t>(num_tokens), NumChunks(par, num_tokens, hc * hc * dim),
                [&](size_t begin, size_t end) {
                  for (size_t n = begin; n < end; ++n) {
-                   const T* fn = f + n * dim;
+                   const T* fv = f + n * dim;
                    const T* rn = residual + n * hc * dim;
                    const float* pn = post + n * hc;
                    const float* cn = comb + n * hc * hc;
                    for (int64_t j = 0; j < hc; ++j) {
                      for (int64_t i = 0; i < dim; ++i) {
-                       float acc = pn[j] * ToF32(fn[i]);
+                       float acc = pn[j] * ToF32(fv[i]);
                        for (int64_t k = 0; k < hc; ++k) acc += cn[k * hc + j] * ToF32(rn[k * dim + i]);
                        FromF32(acc, out + (n * hc + j) * dim + i);
                      }

@@ -23,12 +23,13 @@
 //   - Dot products accumulate into the first tile: C[m][n] += sum_k A[m][k] . B[k][n], where one "element" of A
 //     and of B is a 32-bit group (2 bf16 or 4 int8 values, the VNNI pair/quad). Shapes must satisfy
 //     C.rows == A.rows, A.colsb / 4 == B.rows, C.colsb == B.colsb, and all three tiles must differ.
-//   - The process needs the kernel's permission before its first tile instruction on Linux
+//   - On Linux the process needs the operating system's permission before its first tile instruction
 //     (dsv4::RequestAmxPermission(), platform/cpu_features.h); dispatch only selects an amx table once it is granted.
 //
-// Emulated semantics of TDPBF16PS (C fp32, A and B bf16 pairs). This is Intel's SDM pseudo-code, and it matched
-// a Sapphire-Rapids-class CPU bit for bit on every input we tried (random tiles, cancellation-heavy exponent
-// ranges, product underflow/overflow, denormal, Inf and NaN inputs; see tests/custom_ops/kernels/test_gemm_bf16.cc):
+// Emulated semantics of TDPBF16PS (C fp32, A and B bf16 pairs). This is the Intel SDM pseudo-code; it matched an
+// AMX Xeon (with AVX512-FP16, so Sapphire Rapids or later) bit for bit on every input tried: random tiles,
+// cancellation-heavy exponent ranges, product underflow/overflow, denormal, Inf and NaN inputs (the hardware
+// tests in tests/custom_ops/kernels/test_gemm_bf16.cc repeat this wherever AMX is usable):
 //   for each (m, n):
 //     even = +0, odd = +0                                   two fp32 partial sums, one per half of the pair
 //     for k in 0 .. A.colsb/4 - 1:                          in increasing k
@@ -45,7 +46,7 @@
 //   later product over an earlier NaN in the same partial sum). Invalid operations without a NaN operand
 //   (Inf x 0, Inf - Inf) give the x86 default NaN 0xFFC00000.
 // Differences from the intrinsics guide: its pseudo-code accumulates both products straight into C in k order;
-// the hardware we measured does not (the two partial sums start at zero and meet C only at the end), and neither
+// the measured hardware does not (the two partial sums start at zero and meet C only at the end), and neither
 // does this emulation. Not emulated: the start_row restart protocol (start_row must be 0) and faults (a bad
 // configuration or shape aborts with a message instead of raising #GP/#UD).
 // Host assumption of the emulation: double arithmetic in round-to-nearest mode (the default; nothing here is
@@ -60,9 +61,13 @@
 #include <cstdint>
 
 #if defined(DSV4_AMX_EMULATION)
+#include <cfloat>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#if defined(FLT_EVAL_METHOD) && FLT_EVAL_METHOD != 0
+#error "the AMX emulation needs plain IEEE double arithmetic (no x87 excess precision)"
+#endif
 #define DSV4_AMX_NS amx_emu
 #else
 #if !(defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__))
@@ -254,6 +259,19 @@ DSV4_AMX_DEFINE_DP(TileDpbusd, _tile_dpbusd)
 DSV4_AMX_DEFINE_DP(TileDpbuud, _tile_dpbuud)
 #undef DSV4_AMX_DEFINE_DP
 
+// The helpers above were expanded when the templates were parsed; keep them out of the including file.
+#if DSV4_AMX_LITERAL_IDS
+#undef DSV4_AMX_LIT8_A
+#undef DSV4_AMX_LIT8_B
+#undef DSV4_AMX_LIT8_C
+#undef DSV4_AMX_DP_L3
+#undef DSV4_AMX_DP_L2
+#undef DSV4_AMX_DP_L1
+#undef DSV4_AMX_DP
+#endif
+#undef DSV4_AMX_LITERAL_IDS
+#undef DSV4_AMX_READ_BARRIER
+
 #else  // DSV4_AMX_EMULATION
 // ---------------------------------------------------------------------------------------------------------------
 // Emulated backend.
@@ -313,7 +331,8 @@ inline uint32_t Daz(uint32_t u) { return (u & 0x7F800000u) == 0 ? (u & 0x8000000
 // Rounds the exact value x + y (x, y finite doubles, at most 2^256 in magnitude) to fp32 once: round-to-nearest-
 // even at 24 significant bits with an unbounded exponent, then FTZ below 2^-126 and Inf above the fp32 range.
 // x + y is first rounded to double with round-to-odd (TwoSum gives the exact error), which keeps the second
-// rounding to 24 bits correct because 53 >= 24 + 2.
+// rounding to 24 bits correct because 53 >= 24 + 2. FMA contraction by the compiler is harmless: the only product
+// feeding these sums (bf16 x bf16 in Fma) is exact in double.
 inline uint32_t RoundSumToF32(double x, double y) {
   const double s = x + y;
   const double y_virtual = s - x;

@@ -1,11 +1,11 @@
 // Permission to use AMX tile data (declared in platform/cpu_features.h).
 //
 // Linux keeps the 8 KiB XTILEDATA register state out of a process's signal frames and context switches until the
-// process asks for it; the first tile instruction without permission raises SIGILL (ktransformers issue #320 is
-// that failure in the wild). ARCH_REQ_XCOMP_PERM grants it to the whole process (every thread, present and
+// process asks for it; the first tile instruction without permission raises SIGILL (seen in the wild as
+// kvcache-ai/ktransformers#320). ARCH_REQ_XCOMP_PERM grants it to the whole process (every thread, present and
 // future), and ARCH_GET_XCOMP_PERM confirms the grant. Note the codes: REQ is 0x1023, GET is 0x1022 (some public
 // snippets swap them). Windows enables the state for every process when XCR0 has it, which the CPUID/XGETBV probe
-// already checks. Elsewhere we do not know the protocol and report false.
+// already checks. Other systems report false: their protocol is not implemented here.
 //
 // Built at the x86-64 baseline without LTO (custom_ops/CMakeLists.txt): this file runs before any ISA decision.
 #include "platform/cpu_features.h"

@@ -134,7 +134,7 @@ void ExpectIdentical(const std::string& what, const std::vector<T>& got, const s
 }
 
 // bf16 outputs rounded from fp32 values that differ by a few fp32 ulps: each element within one bf16 ulp of the
-// expected one (relative 2^-7 covers one ulp anywhere in a binade) and at most `max_fraction` of them not
+// expected one (relative 2^-7 covers one ulp anywhere in a binade) and at most 2 + max_fraction * n of them not
 // bit-identical. NaN matches NaN.
 inline void ExpectBf16Close(const std::string& what, const std::vector<uint16_t>& got,
                             const std::vector<uint16_t>& want, double atol, double max_fraction) {
@@ -149,9 +149,9 @@ inline void ExpectBf16Close(const std::string& what, const std::vector<uint16_t>
     KT_CHECK(std::fabs(g - w) <= atol + std::ldexp(std::fabs(w), -7))
         << what << "[" << i << "]: got " << g << ", want " << w << " (more than one bf16 ulp apart)";
   }
-  const double fraction = got.empty() ? 0.0 : static_cast<double>(differ) / static_cast<double>(got.size());
-  KT_CHECK(fraction <= max_fraction) << what << ": " << differ << " of " << got.size()
-                                     << " bf16 values not bit-identical";
+  const double allowed = 2.0 + max_fraction * static_cast<double>(got.size());  // slack for short outputs
+  KT_CHECK(static_cast<double>(differ) <= allowed) << what << ": " << differ << " of " << got.size()
+                                                   << " bf16 values not bit-identical";
   if (Verbose()) std::printf("    %s: %zu of %zu bf16 values differ by one ulp\n", what.c_str(), differ, got.size());
 }
 

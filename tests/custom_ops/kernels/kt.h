@@ -1,7 +1,7 @@
 // kt: a minimal test framework for the C++ kernel tests (no dependencies beyond the standard library).
 //
-//   KT_TEST(moe_routing, ref_hand_values) { KT_CHECK(x == 1) << "x = " << x; }   // "moe_routing.ref_hand_values"
-//   kt::Register("hyper_connection.pre.f32.avx2", [] { ... });   // parametrised names, from a static initialiser
+//   KT_TEST(moe_routing_ref_hand_values) { KT_CHECK(x == 1) << "x = " << x; }
+//   kt::Register("hyper_connection_pre_f32_avx2", [] { ... });   // parametrised tests, from a static initialiser
 //   kt::Skip("AVX512 not supported by this CPU");                 // inside a test: ends it as skipped
 //
 // Checks never abort the test: a failed check records the failure (file:line, expression, streamed message) and
@@ -185,12 +185,12 @@ inline int Main(int argc, char** argv) {
 #define KT_CONCAT_INNER(a, b) a##b
 #define KT_CONCAT(a, b) KT_CONCAT_INNER(a, b)
 
-// Defines and registers the test "group.name"; group and name must be identifiers, unique together in the binary.
-#define KT_TEST(group, name)                                                   \
-  static void KT_CONCAT(kt_test_, KT_CONCAT(group, KT_CONCAT(_, name)))();     \
-  static const bool KT_CONCAT(kt_registered_, KT_CONCAT(group, KT_CONCAT(_, name))) = \
-      ::kt::Register(#group "." #name, &KT_CONCAT(kt_test_, KT_CONCAT(group, KT_CONCAT(_, name)))); \
-  static void KT_CONCAT(kt_test_, KT_CONCAT(group, KT_CONCAT(_, name)))()
+// Defines and registers a test; `name` must be an identifier, unique in the binary.
+#define KT_TEST(name)                                                    \
+  static void KT_CONCAT(kt_test_, name)();                               \
+  static const bool KT_CONCAT(kt_registered_, name) =                    \
+      ::kt::Register(#name, &KT_CONCAT(kt_test_, name));                 \
+  static void KT_CONCAT(kt_test_, name)()
 
 // Each check may be followed by `<< message`, streamed only when it fails.
 #define KT_CHECK(cond) \

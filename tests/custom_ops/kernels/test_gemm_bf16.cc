@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <string>
@@ -49,12 +50,6 @@ uint32_t Bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
   return u;
-}
-
-float FromBits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
 }
 
 std::string Hex(uint32_t u) {
@@ -434,7 +429,10 @@ uint32_t DrawC(std::mt19937& rng, Dist d) {
         }
       }
       [[fallthrough]];
-    default: return (static_cast<uint32_t>(DrawBf16(rng, d == Dist::kSpecial ? Dist::kMixed : d)) << 16) | (rng() & 0xFFFFu);
+    default: {
+      const Dist base = d == Dist::kSpecial ? Dist::kMixed : d;
+      return (static_cast<uint32_t>(DrawBf16(rng, base)) << 16) | (rng() & 0xFFFFu);
+    }
   }
 }
 
@@ -566,8 +564,8 @@ const size_t kShapeN[] = {1, 15, 16, 17, 48 + 3};
 const size_t kShapeK[] = {2, 30, 32, 33, 64, 130};
 
 // ---------------------------------------------------------------------------------------------------------------
-// Hand cases: one output element, values measured on AMX hardware (Sapphire-Rapids class). pairs = (a, b) bf16
-// per K element, K index 0, 1, 2, ... (even indices form the even partial sum).
+// Hand cases: one output element, values measured on AMX hardware (a Sapphire Rapids or later Xeon).
+// pairs = (a, b) bf16 per K element, K index 0, 1, 2, ... (even indices form the even partial sum).
 
 struct HandCase {
   const char* what;
@@ -680,7 +678,8 @@ KT_TEST(amx_tile_emu_load_store_and_zeroing) {
       KT_CHECK(dst[r * 80 + col] == (inside ? src[r * 80 + col] : 0xEE)) << "row " << r << " byte " << col;
     }
   }
-  // Stored through a 16 x 64 view (tile 4 holds tile 3's bytes only via memory): zero rows/columns stay zero.
+  // TILEZERO clears the whole 16 x 64-byte tile.
+  emu::TileLoad<4>(src, 80);
   emu::TileZero<4>();
   emu::TileStore<4>(full, 64);
   int nonzero = 0;

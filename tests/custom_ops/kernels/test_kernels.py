@@ -6,6 +6,7 @@ earlier builds. Each C++ test becomes one pytest item.
 
 import functools
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,14 +19,17 @@ BUILD = ROOT / "build" / "kernel-tests"
 
 @functools.lru_cache(maxsize=None)
 def test_binary() -> Path:
-    import cmake  # noqa: F401  (the PyPI cmake package; falls back to the PATH)
-
-    cmake_exe = os.path.join(os.path.dirname(sys.executable), "cmake")
-    if not os.path.exists(cmake_exe):
-        cmake_exe = "cmake"
-    generator = ["-G", "Ninja"] if subprocess.run(["ninja", "--version"], capture_output=True).returncode == 0 else []
-    subprocess.run([cmake_exe, "-S", str(ROOT), "-B", str(BUILD), *generator, "-DCMAKE_BUILD_TYPE=Release",
-                    "-DDSV4_BUILD_LIBRARY=OFF", "-DDSV4_BUILD_TESTS=ON"], check=True, capture_output=True)
+    # cmake and ninja come with the test extra (PyPI) into the environment's bin folder; else from the PATH.
+    bindir = os.path.dirname(sys.executable)
+    cmake_exe = shutil.which("cmake", path=bindir) or shutil.which("cmake")
+    ninja = shutil.which("ninja", path=bindir) or shutil.which("ninja")
+    if cmake_exe is None:
+        raise RuntimeError("cmake not found: install the test extra (pip install '.[test]')")
+    generator = ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"] if ninja else []
+    r = subprocess.run([cmake_exe, "-S", str(ROOT), "-B", str(BUILD), *generator, "-DCMAKE_BUILD_TYPE=Release",
+                        "-DDSV4_BUILD_LIBRARY=OFF", "-DDSV4_BUILD_TESTS=ON"], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError("configuring the kernel tests failed:\n" + r.stdout[-4000:] + r.stderr[-4000:])
     r = subprocess.run([cmake_exe, "--build", str(BUILD), "--target", "dsv4_kernel_tests", "-j", "2"],
                        capture_output=True, text=True)
     if r.returncode != 0:

@@ -156,7 +156,7 @@ std::vector<int64_t> TopKsFor(int64_t E) {
 // ---------------------------------------------------------------------------------------------------------------
 // Reference against hand-computed values.
 
-KT_TEST(moe_routing, ref_score_values) {
+KT_TEST(moe_routing_ref_score_values) {
   const std::vector<float> x = {0.0f, 25.0f, 20.0f, -30.0f, 1.0f};
   std::vector<float> s(x.size());
   dsv4::ref::MoeScores(x.data(), static_cast<int64_t>(x.size()), MoeScoreFunc::kSqrtSoftplus, s.data());
@@ -179,7 +179,7 @@ KT_TEST(moe_routing, ref_score_values) {
   KT_CHECK_CLOSE(soft[1], 0.75, 0.0, 1e-6);
 }
 
-KT_TEST(moe_routing, ref_topk_hand) {
+KT_TEST(moe_routing_ref_topk_hand) {
   // The bias lifts expert 0 into the selection; its weight still uses the unbiased score.
   const std::vector<float> logits = {0.0f, 1.0f, 2.0f, 3.0f};
   const std::vector<float> bias = {10.0f, 0.0f, 0.0f, 0.0f};
@@ -203,7 +203,7 @@ KT_TEST(moe_routing, ref_topk_hand) {
   }
 }
 
-KT_TEST(moe_routing, ref_ties_lowest_index_first) {
+KT_TEST(moe_routing_ref_ties_lowest_index_first) {
   const std::vector<float> equal(5, 0.0f);
   const Routing r = RunTopk(dsv4::ref::kMoeRouting, equal, {1, 5, 3, MoeScoreFunc::kSqrtSoftplus, nullptr, true, 1.0f});
   KT_CHECK(r.indices == std::vector<int64_t>({0, 1, 2}));
@@ -226,7 +226,7 @@ KT_TEST(moe_routing, ref_ties_lowest_index_first) {
   }
 }
 
-KT_TEST(moe_routing, ref_fixed_hand) {
+KT_TEST(moe_routing_ref_fixed_hand) {
   // softmax([0, 0, ln 3]) = [0.2, 0.2, 0.6]; experts (2, 0) -> [0.6, 0.2] / 0.8 * 2 = [1.5, 0.5].
   const std::vector<float> logits = {0.0f, 0.0f, static_cast<float>(std::log(3.0))};
   const std::vector<int64_t> ids = {2, 0};
@@ -239,7 +239,7 @@ KT_TEST(moe_routing, ref_fixed_hand) {
   KT_CHECK_CLOSE(raw[1], 0.4, 0.0, 1e-6);
 }
 
-KT_TEST(moe_routing, ref_nan_ranks_lowest) {
+KT_TEST(moe_routing_ref_nan_ranks_lowest) {
   // NaN keys rank like -inf: never chosen over a number, chosen (lowest index first) only to fill k.
   const std::vector<float> logits = {kNaN, 1.0f, kNaN, -kInf, 0.5f, kNaN};
   const Routing r =
@@ -313,7 +313,12 @@ void TestTopkTies(IsaLevel level, MoeScoreFunc f) {
   for (int64_t E : kExpertCounts) {
     std::vector<float> bias(E);
     for (auto& b : bias) b = rng.Index(2) ? 0.25f : 0.0f;
-    for (int64_t k : TopKsFor(E)) {
+    std::vector<int64_t> ks = TopKsFor(E);
+    if (E >= 64) {  // long insertion runs in the streaming selection
+      ks.push_back(E / 2 + 1);
+      ks.push_back(E);
+    }
+    for (int64_t k : ks) {
       for (bool with_bias : {false, true}) {
         const int64_t T = 17;
         std::vector<float> logits(T * E);
@@ -425,20 +430,35 @@ void TestThreadsAndBatching(IsaLevel level) {
   }
 }
 
+// T = 0 and k = 0 are no-ops that touch no memory.
+void TestEmpty(IsaLevel level) {
+  dsv4_test::RequireIsa(level);
+  const MoeRoutingKernels& kernels = *Table(level);
+  for (MoeScoreFunc f : kScoreFuncs) {
+    kernels.topk_route(nullptr, nullptr, 0, 8, 2, f, true, 1.0f, nullptr, nullptr, dsv4::SerialParallel());
+    kernels.fixed_route(nullptr, nullptr, 0, 8, 2, f, true, 1.0f, nullptr, dsv4::SerialParallel());
+    const std::vector<float> logits(3 * 8, 0.5f);
+    kernels.topk_route(logits.data(), nullptr, 3, 8, 0, f, true, 1.0f, nullptr, nullptr, dsv4::SerialParallel());
+    kernels.fixed_route(logits.data(), nullptr, 3, 8, 0, f, true, 1.0f, nullptr, dsv4::SerialParallel());
+  }
+}
+
 const bool kRegistered = [] {
   // The reference runs the threaded test too (its own determinism).
-  kt::Register("moe_routing.threads_and_batching.scalar", [] { TestThreadsAndBatching(IsaLevel::kScalar); });
+  kt::Register("moe_routing_threads_and_batching_scalar", [] { TestThreadsAndBatching(IsaLevel::kScalar); });
+  kt::Register("moe_routing_empty_scalar", [] { TestEmpty(IsaLevel::kScalar); });
   for (IsaLevel level : dsv4_test::VariantLevels()) {
     const std::string isa = dsv4::IsaName(level);
-    kt::Register("moe_routing.scores." + isa, [level] { TestScores(level); });
+    kt::Register("moe_routing_scores_" + isa, [level] { TestScores(level); });
     for (MoeScoreFunc f : kScoreFuncs) {
       const std::string fn = FuncName(f);
-      kt::Register("moe_routing.topk." + fn + "." + isa, [level, f] { TestTopk(level, f); });
-      kt::Register("moe_routing.topk_ties." + fn + "." + isa, [level, f] { TestTopkTies(level, f); });
-      kt::Register("moe_routing.fixed." + fn + "." + isa, [level, f] { TestFixed(level, f); });
+      kt::Register("moe_routing_topk_" + fn + "_" + isa, [level, f] { TestTopk(level, f); });
+      kt::Register("moe_routing_topk_ties_" + fn + "_" + isa, [level, f] { TestTopkTies(level, f); });
+      kt::Register("moe_routing_fixed_" + fn + "_" + isa, [level, f] { TestFixed(level, f); });
     }
-    kt::Register("moe_routing.nan_inputs." + isa, [level] { TestNan(level); });
-    kt::Register("moe_routing.threads_and_batching." + isa, [level] { TestThreadsAndBatching(level); });
+    kt::Register("moe_routing_nan_inputs_" + isa, [level] { TestNan(level); });
+    kt::Register("moe_routing_empty_" + isa, [level] { TestEmpty(level); });
+    kt::Register("moe_routing_threads_and_batching_" + isa, [level] { TestThreadsAndBatching(level); });
   }
   return true;
 }();

@@ -136,3 +136,42 @@ def test_hash_token_count_mismatch():
     msg = session_error("MoeRouteHash", {"logits": np.zeros((3, 8), np.float32),
                                          "input_ids": np.array([0, 1], np.int64), "tid2eid": np.zeros((5, 2), np.int64)})
     assert "MoeRouteHash" in msg and "input_ids" in msg
+
+
+def test_routers_match_hf_modules(isa):
+    """MoeRouteTopK / MoeRouteHash against HF transformers' DeepseekV4TopKRouter / DeepseekV4HashRouter (the oracle).
+    HF returns experts unsorted (torch.topk(sorted=False)); compare per token as expert -> weight maps."""
+    from types import SimpleNamespace
+
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+
+    rng = np.random.default_rng(1)
+    tokens, experts, k, d, vocab = 11, 64, 6, 32, 40
+    cfg = SimpleNamespace(num_experts_per_tok=k, num_local_experts=experts, hidden_size=d, scoring_func="sqrtsoftplus",
+                          routed_scaling_factor=1.5, vocab_size=vocab)
+    x = torch.from_numpy(rng.standard_normal((tokens, d)).astype(np.float32))
+    gate = torch.from_numpy(rng.standard_normal((experts, d)).astype(np.float32))
+    bias = torch.from_numpy((rng.permutation(experts) * 1e-2).astype(np.float32))
+    table = torch.from_numpy(np.stack([rng.permutation(experts)[:k] for _ in range(vocab)]).astype(np.int64))
+    ids = torch.from_numpy(rng.integers(0, vocab, tokens).astype(np.int64))
+
+    topk = hf.DeepseekV4TopKRouter(cfg)
+    hashr = hf.DeepseekV4HashRouter(cfg)
+    with torch.no_grad():
+        topk.weight.copy_(gate)
+        topk.e_score_correction_bias.copy_(bias)
+        hashr.weight.copy_(gate)
+        hashr.tid2eid.copy_(table)
+        logits, rw, ridx = topk(x)
+        _, hw, hidx = hashr(x, ids)
+    w, idx = run_op("MoeRouteTopK", {"logits": logits.numpy(), "bias": bias.numpy()},
+                    dict(top_k=k, routed_scaling_factor=1.5), isa)
+    for t in range(tokens):
+        ours = dict(zip(idx[t].tolist(), w[t].tolist()))
+        theirs = dict(zip(ridx[t].tolist(), rw[t].tolist()))
+        assert ours.keys() == theirs.keys()
+        np.testing.assert_allclose([ours[e] for e in theirs], list(theirs.values()), **tol("float32"))
+    w, idx = run_op("MoeRouteHash", {"logits": logits.numpy(), "input_ids": ids.numpy(), "tid2eid": table.numpy()},
+                    dict(routed_scaling_factor=1.5), isa)
+    np.testing.assert_array_equal(idx, hidx.numpy())
+    np.testing.assert_allclose(w, hw.numpy(), **tol("float32"))
