@@ -9,6 +9,10 @@
 #include <cstring>
 
 namespace dsv4 {
+// Internal linkage on purpose: this header is included both by baseline files and by files built with AVX512/AMX
+// flags. With ordinary inline linkage the linker could keep an ISA-compiled copy for every caller (SIGILL on older
+// CPUs); an unnamed namespace gives every translation unit its own copy.
+namespace {
 
 inline float Bf16ToF32(uint16_t h) {
   const uint32_t bits = static_cast<uint32_t>(h) << 16;
@@ -25,4 +29,5 @@ inline uint16_t F32ToBf16(float f) {
   return static_cast<uint16_t>((bits + rounding_bias) >> 16);
 }
 
+}  // namespace
 }  // namespace dsv4

@@ -12,6 +12,18 @@ std::unique_ptr<Kernel> MakeMoeRouteHash(const KernelInit& init);
 std::unique_ptr<Kernel> MakeHcPre(const KernelInit& init);
 std::unique_ptr<Kernel> MakeHcPost(const KernelInit& init);
 std::unique_ptr<Kernel> MakeHcHead(const KernelInit& init);
+std::unique_ptr<Kernel> MakeRmsNorm(const KernelInit& init);
+std::unique_ptr<Kernel> MakeNormRope(const KernelInit& init);
+std::unique_ptr<Kernel> MakeRope(const KernelInit& init);
+std::unique_ptr<Kernel> MakeCompressor(const KernelInit& init);
+std::unique_ptr<Kernel> MakeIndexer(const KernelInit& init);
+std::unique_ptr<Kernel> MakeSparseAttention(const KernelInit& init);
+std::unique_ptr<Kernel> MakeLinear(const KernelInit& init);
+std::unique_ptr<Kernel> MakeLinearFp8(const KernelInit& init);
+std::unique_ptr<Kernel> MakeLinearFp4(const KernelInit& init);
+std::unique_ptr<Kernel> MakeMoeExperts(const KernelInit& init);
+std::unique_ptr<Kernel> MakeMoeExpertsFp8(const KernelInit& init);
+std::unique_ptr<Kernel> MakeMoeExpertsFp4(const KernelInit& init);
 
 namespace {
 const KernelRegistration kRegistrations[] = {
@@ -21,6 +33,18 @@ const KernelRegistration kRegistrations[] = {
     {"HcPre", &MakeHcPre},
     {"HcPost", &MakeHcPost},
     {"HcHead", &MakeHcHead},
+    {"RmsNorm", &MakeRmsNorm},
+    {"NormRope", &MakeNormRope},
+    {"Rope", &MakeRope},
+    {"Compressor", &MakeCompressor},
+    {"Indexer", &MakeIndexer},
+    {"SparseAttention", &MakeSparseAttention},
+    {"Linear", &MakeLinear},
+    {"LinearFp8", &MakeLinearFp8},
+    {"LinearFp4", &MakeLinearFp4},
+    {"MoeExperts", &MakeMoeExperts},
+    {"MoeExpertsFp8", &MakeMoeExpertsFp8},
+    {"MoeExpertsFp4", &MakeMoeExpertsFp4},
 };
 }  // namespace
 

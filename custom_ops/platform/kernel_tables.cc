@@ -4,9 +4,15 @@
 
 #include <array>
 
+#include "kernels/compressor.h"
 #include "kernels/gemm_bf16.h"
 #include "kernels/hyper_connection.h"
+#include "kernels/indexer.h"
+#include "kernels/linear.h"
+#include "kernels/moe_experts.h"
 #include "kernels/moe_routing.h"
+#include "kernels/norm_rope.h"
+#include "kernels/sparse_attention.h"
 
 namespace dsv4 {
 namespace {
@@ -28,6 +34,12 @@ const Variants<HyperConnectionKernels> kHyperConnectionVariants = {
     nullptr};
 const Variants<GemmBf16Kernels> kGemmBf16Variants = {&ref::kGemmBf16, nullptr, nullptr,
                                                      DSV4_X86_TABLE(amx, kGemmBf16)};
+const Variants<NormRopeKernels> kNormRopeVariants = {&ref::kNormRope, nullptr, nullptr, nullptr};
+const Variants<CompressorKernels> kCompressorVariants = {&ref::kCompressor, nullptr, nullptr, nullptr};
+const Variants<IndexerKernels> kIndexerVariants = {&ref::kIndexer, nullptr, nullptr, nullptr};
+const Variants<SparseAttentionKernels> kSparseAttentionVariants = {&ref::kSparseAttention, nullptr, nullptr, nullptr};
+const Variants<LinearKernels> kLinearVariants = {&ref::kLinear, nullptr, nullptr, nullptr};
+const Variants<MoeExpertsKernels> kMoeExpertsVariants = {&ref::kMoeExperts, nullptr, nullptr, nullptr};
 
 template <class T>
 void Pick(const Variants<T>& variants, IsaLevel level, const T** table, IsaLevel* chosen) {
@@ -46,6 +58,12 @@ KernelTables Build(IsaLevel level) {
   Pick(kMoeRoutingVariants, level, &t.moe_routing, &t.moe_routing_level);
   Pick(kHyperConnectionVariants, level, &t.hyper_connection, &t.hyper_connection_level);
   Pick(kGemmBf16Variants, level, &t.gemm_bf16, &t.gemm_bf16_level);
+  Pick(kNormRopeVariants, level, &t.norm_rope, &t.norm_rope_level);
+  Pick(kCompressorVariants, level, &t.compressor, &t.compressor_level);
+  Pick(kIndexerVariants, level, &t.indexer, &t.indexer_level);
+  Pick(kSparseAttentionVariants, level, &t.sparse_attention, &t.sparse_attention_level);
+  Pick(kLinearVariants, level, &t.linear, &t.linear_level);
+  Pick(kMoeExpertsVariants, level, &t.moe_experts, &t.moe_experts_level);
   return t;
 }
 

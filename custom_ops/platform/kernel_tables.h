@@ -14,12 +14,24 @@ namespace dsv4 {
 struct MoeRoutingKernels;
 struct HyperConnectionKernels;
 struct GemmBf16Kernels;
+struct NormRopeKernels;
+struct CompressorKernels;
+struct IndexerKernels;
+struct SparseAttentionKernels;
+struct LinearKernels;
+struct MoeExpertsKernels;
 
 // X(member, TableType, display name)
 #define DSV4_KERNEL_FAMILIES(X)                                  \
   X(moe_routing, MoeRoutingKernels, "moe_routing")               \
   X(hyper_connection, HyperConnectionKernels, "hyper_connection") \
-  X(gemm_bf16, GemmBf16Kernels, "gemm_bf16")
+  X(gemm_bf16, GemmBf16Kernels, "gemm_bf16")                   \
+  X(norm_rope, NormRopeKernels, "norm_rope")                   \
+  X(compressor, CompressorKernels, "compressor")               \
+  X(indexer, IndexerKernels, "indexer")                        \
+  X(sparse_attention, SparseAttentionKernels, "sparse_attention") \
+  X(linear, LinearKernels, "linear")                           \
+  X(moe_experts, MoeExpertsKernels, "moe_experts")
 
 struct KernelTables {
   IsaLevel level = IsaLevel::kScalar;

@@ -18,7 +18,7 @@ BUILD = ROOT / "build" / "kernel-tests"
 
 
 @functools.lru_cache(maxsize=None)
-def test_binary() -> Path:
+def kernel_test_binary() -> Path:
     # cmake and ninja come with the test extra (PyPI) into the environment's bin folder; else from the PATH.
     bindir = os.path.dirname(sys.executable)
     cmake_exe = shutil.which("cmake", path=bindir) or shutil.which("cmake")
@@ -39,19 +39,19 @@ def test_binary() -> Path:
 
 def _list_tests():
     try:
-        out = subprocess.run([str(test_binary()), "--list"], capture_output=True, text=True, check=True).stdout
+        out = subprocess.run([str(kernel_test_binary()), "--list"], capture_output=True, text=True, check=True).stdout
     except Exception:  # test_kernel_build reports the failure
         return []
     return [line.strip() for line in out.splitlines() if line.strip()]
 
 
 def test_kernel_build():
-    assert test_binary().exists()
+    assert kernel_test_binary().exists()
 
 
 @pytest.mark.parametrize("name", _list_tests())
 def test_kernel(name):
-    r = subprocess.run([str(test_binary()), "--exact", name], capture_output=True, text=True)
+    r = subprocess.run([str(kernel_test_binary()), "--exact", name], capture_output=True, text=True)
     print(r.stdout)
     assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-4000:]
     assert "1 passed, 0 failed" in r.stdout

@@ -28,6 +28,19 @@ def bf16(a) -> np.ndarray:
     return t.view(torch.int16).numpy().view(np.uint16).view(BF16)
 
 
+class FP8E4M3(np.ndarray):
+    """Marks a uint8 array as float8e4m3fn storage."""
+
+
+def fp8_e4m3(codes) -> np.ndarray:
+    """E4M3FN codes (a torch float8_e4m3fn / uint8 tensor or a uint8 array), marked as float8e4m3fn."""
+    import torch
+
+    if isinstance(codes, torch.Tensor):
+        codes = codes.contiguous().view(torch.uint8).numpy()
+    return np.ascontiguousarray(codes, dtype=np.uint8).view(FP8E4M3)
+
+
 def bf16_to_f32(a: np.ndarray) -> np.ndarray:
     return (np.asarray(a).astype(np.uint32) << 16).view(np.float32)
 
@@ -35,6 +48,8 @@ def bf16_to_f32(a: np.ndarray) -> np.ndarray:
 def onnx_type(a) -> int:
     if isinstance(a, BF16):
         return TensorProto.BFLOAT16
+    if isinstance(a, FP8E4M3):
+        return TensorProto.FLOAT8E4M3FN
     return NP_TO_ONNX[np.asarray(a).dtype]
 
 
@@ -102,6 +117,54 @@ def run_op(op: str, inputs: dict, attrs: dict | None = None, isa: str | None = N
     return [bf16_to_f32(b) if t == TensorProto.BFLOAT16 else b for b, t in zip(outs, out_types)]
 
 
+def run_op_inplace(op: str, inputs: dict, alias: dict, attrs: dict | None = None, isa: str | None = None,
+                   threads: int = 2) -> list:
+    """Runs op with every output named in ``alias`` (output name -> input name) bound to the SAME OrtValue as that
+    input, as a runtime that keeps its state in place does (IOBinding of one buffer as past input and present output).
+
+    The aliased input arrays must be C-contiguous and writable; they are updated in place by the op (BF16-marked
+    arrays too). Returns all outputs like :func:`run_op` (aliased ones as float32 copies of the updated arrays)."""
+    attrs = attrs or {}
+    spec = schema.get(op)
+    out_types = []
+    for o in spec.outputs:
+        if o.type in spec.type_constraints:
+            src = next(i for i in spec.inputs if i.type == o.type and inputs.get(i.name) is not None)
+            out_types.append(onnx_type(inputs[src.name]))
+        else:
+            out_types.append(schema.ONNX_TYPES[o.type])
+    sess = _session(one_node_model(op, inputs, out_types, attrs), isa, threads)
+    shapes = schema.infer_output_shapes(op, [np.shape(inputs[i.name]) if inputs.get(i.name) is not None else None
+                                             for i in spec.inputs], attrs)
+    io = sess.io_binding()
+    values = {}
+    for name, a in inputs.items():
+        if a is None:
+            continue
+        if name in alias.values():
+            if not (a.flags.c_contiguous and a.flags.writeable):
+                raise ValueError(f"aliased input {name!r} must be a C-contiguous writable array")
+            arr = a
+        else:
+            arr = np.ascontiguousarray(a)
+        values[name] = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+            arr.view(np.uint16) if isinstance(a, BF16) else arr, onnx_type(a))
+        io.bind_ortvalue_input(name, values[name])
+    outs = []
+    for o, t, shape in zip(spec.outputs, out_types, shapes):
+        if o.name in alias:
+            io.bind_ortvalue_output(o.name, values[alias[o.name]])
+            outs.append(inputs[alias[o.name]])
+            continue
+        np_dtype = {TensorProto.FLOAT: np.float32, TensorProto.INT64: np.int64,
+                    TensorProto.BFLOAT16: np.uint16}[t]
+        buf = np.empty(shape, np_dtype)
+        io.bind_output(o.name, "cpu", 0, t, list(shape), buf.ctypes.data)
+        outs.append(buf)
+    sess.run_with_iobinding(io)
+    return [bf16_to_f32(b) if t == TensorProto.BFLOAT16 else np.array(b) for b, t in zip(outs, out_types)]
+
+
 def session_error(op: str, inputs: dict, attrs: dict | None = None, isa: str | None = None) -> str:
     """Runs op expecting a failure (at session creation or run); returns the error text."""
     try:
@@ -111,4 +174,4 @@ def session_error(op: str, inputs: dict, attrs: dict | None = None, isa: str | N
     raise AssertionError(f"{op} accepted invalid input")
 
 
-__all__ = ["bf16", "bf16_to_f32", "run_op", "session_error", "one_node_model", "onnx"]
+__all__ = ["bf16", "bf16_to_f32", "fp8_e4m3", "run_op", "run_op_inplace", "session_error", "one_node_model", "onnx"]

@@ -1,0 +1,83 @@
+// Linear kernels: y = x W^T for dense (fp32 / bf16) weights and the checkpoint formats (FP8 E4M3 with block scales,
+// packed FP4 E2M1 with 1x32 E8M0 scales), optionally block-diagonal ("grouped"). Used for every projection, the
+// router gate, the LM head and DeepSeek-V4's grouped output projection wo_a (models/functional.py `linear`,
+// `grouped_out_proj`; dsv4-architecture.md §5.1, §8).
+//
+// With G groups, Kw = cols of the weight, K = G * Kw, N = rows of the weight and N % G == 0:
+//   y[m][g*N/G + n] = sum_k x[m][g*Kw + k] * W[g*N/G + n][k]          g in [0, G), n in [0, N/G), k in [0, Kw)
+// (G = 1 is the plain linear.) The weight is decoded to its exact float value W (numerics/fp8.h, fp4.h):
+//   dense   W[n][k] = w[n][k]                                 (bf16 widened exactly)
+//   FP8     W[n][k] = e4m3(w[n][k]) * scale[n / b][k / b]     scale E8M0 or fp32, [ceil(N/b), ceil(Kw/b)]; n and k
+//                                                             are the GLOBAL row and the column within the row, so
+//                                                             groups work for any N/G (blocks may straddle groups)
+//   FP4     W[n][k] = e2m1(code(n, k)) * e8m0(scale[n][k / 32])                         scale [N, Kw/32]
+// and, for bf16 activations, rounded to bf16 (functional.linear casts the dequantised weight to x.dtype; exact for
+// bf16, FP4 and FP8-with-E8M0 weights, a rounding for fp32 weights and non-power-of-two fp32 scales). Each output
+// is one fp32 sum, k in increasing order from +0 (the reference order; SIMD variants may reassociate), rounded
+// once to the activation type (bf16: nearest-even, numerics/bf16.h). E4M3 NaN codes decode to NaN and propagate;
+// E8M0 NaN scales (0xFF) are rejected by the ops before a kernel runs (precondition here).
+//
+// Shapes (row-major, contiguous):
+//   x [M, K] fp32 or bf16 (uint16_t bits), y [M, N] of the same type; W as described by a WeightView.
+// Preconditions (asserted, not validated): M, N, Kw >= 0, G >= 1, N % G == 0, FP4: Kw % 32 == 0; y does not
+// alias x or the weight. Kernels split rows of W across `par` and allocate their scratch before the parallel
+// region (re-entrant, no state).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "custom_ops/platform/parallel.h"
+
+namespace dsv4 {
+
+enum class WeightFormat : int { kF32 = 0, kBf16 = 1, kFp8E4M3 = 2, kFp4E2M1 = 3 };
+enum class ScaleFormat : int { kNone = 0, kE8M0 = 1, kF32 = 2 };
+
+// A [rows, cols] weight matrix in one of the formats above (row-major, rows contiguous).
+//   data   kF32: float[rows*cols]; kBf16: uint16_t[rows*cols]; kFp8E4M3: uint8_t[rows*cols];
+//          kFp4E2M1: uint8_t[rows*cols/2] (two codes per byte, low nibble = even column)
+//   scale  kFp8E4M3: [ceil(rows/block), ceil(cols/block)] E8M0 bytes or floats;
+//          kFp4E2M1: [rows, cols/32] E8M0 bytes (block = 32); dense: none
+struct WeightView {
+  WeightFormat format = WeightFormat::kF32;
+  const void* data = nullptr;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  ScaleFormat scale_format = ScaleFormat::kNone;
+  const void* scale = nullptr;
+  int64_t block = 0;
+};
+
+// Bytes of one [rows, cols] matrix's data and of its scales (0 for dense).
+size_t WeightDataBytes(const WeightView& w);
+size_t WeightScaleBytes(const WeightView& w);
+// The index-th of consecutive matrices laid out like `first` (an expert of a stacked [E, rows, cols] tensor, whose
+// scales are stacked the same way).
+WeightView WeightSlice(const WeightView& first, int64_t index);
+
+using LinearF32Fn = void (*)(const float* x, int64_t m, const WeightView& w, int64_t groups, float* y,
+                             const Parallel& par);
+using LinearBf16Fn = void (*)(const uint16_t* x, int64_t m, const WeightView& w, int64_t groups, uint16_t* y,
+                              const Parallel& par);
+
+// One table per ISA level; every slot is non-null (an ISA that does not accelerate a slot points it at ref).
+// Slots by activation type and weight family: `dense` takes kF32 and kBf16 weights, `fp8` kFp8E4M3 (either scale
+// format), `fp4` kFp4E2M1.
+struct LinearKernels {
+  LinearF32Fn f32_dense;
+  LinearF32Fn f32_fp8;
+  LinearF32Fn f32_fp4;
+  LinearBf16Fn bf16_dense;
+  LinearBf16Fn bf16_fp8;
+  LinearBf16Fn bf16_fp4;
+};
+
+namespace ref {
+extern const LinearKernels kLinear;
+
+// The reference decode: out[k] = W[row][k] for k in [0, cols), rounded to bf16 when round_bf16 (see above).
+void DecodeWeightRow(const WeightView& w, int64_t row, bool round_bf16, float* out);
+}  // namespace ref
+
+}  // namespace dsv4

@@ -1,0 +1,113 @@
+// Linear / LinearFp8 / LinearFp4: ORT glue for kernels/linear.h. Leading dimensions of x are flattened into M rows;
+// the op checks K against groups and the weight, the scale shape against the weight and block size, and every
+// E8M0 scale byte (0xFF, the NaN code, is an error) or fp32 scale (must be finite) before the kernel runs.
+#include <string>
+
+#include "kernels/linear.h"
+#include "ops/kernel_api.h"
+#include "ops/quant_checks.h"
+
+namespace dsv4::glue {
+namespace {
+
+class LinearKernelBase : public Kernel {
+ public:
+  explicit LinearKernelBase(const KernelInit& init)
+      : k_(*init.tables->linear), groups_(init.attrs->Int("groups")) {}
+
+ protected:
+  // Validates x against the weight and groups, allocates y [..., N] and runs the slot for x's type.
+  void Run(ComputeContext& ctx, const WeightView& w, LinearF32Fn f32, LinearBf16Fn bf16) const {
+    const InputView& x = ctx.Input(0);
+    const int64_t k = x.dim(-1);
+    if (k != groups_ * w.cols) {
+      Fail("x has K=", k, " (shape ", ShapeString(x.shape), ") but the weight has Kw=", w.cols, " columns and groups=",
+           groups_, ", so K must be ", groups_ * w.cols);
+    }
+    if (w.rows % groups_ != 0) Fail("weight has N=", w.rows, " rows, not a multiple of groups=", groups_);
+    std::vector<int64_t> out_shape(x.shape.begin(), x.shape.end() - 1);
+    int64_t m = 1;
+    for (int64_t d : out_shape) m *= d;
+    out_shape.push_back(w.rows);
+    void* y = ctx.Output(0, out_shape);
+    if (m == 0 || w.rows == 0) return;
+    if (x.dtype == kBFloat16) {
+      bf16(x.as<uint16_t>(), m, w, groups_, static_cast<uint16_t*>(y), ctx.Par());
+    } else {
+      f32(x.as<float>(), m, w, groups_, static_cast<float*>(y), ctx.Par());
+    }
+  }
+
+  const LinearKernels& k_;
+  const int64_t groups_;
+};
+
+class LinearKernel final : public LinearKernelBase {
+ public:
+  using LinearKernelBase::LinearKernelBase;
+
+  void Compute(ComputeContext& ctx) override {
+    const InputView& weight = ctx.Input(1);
+    WeightView w;
+    w.format = weight.dtype == kBFloat16 ? WeightFormat::kBf16 : WeightFormat::kF32;
+    w.data = weight.data;
+    w.rows = weight.dim(0);
+    w.cols = weight.dim(1);
+    Run(ctx, w, k_.f32_dense, k_.bf16_dense);
+  }
+};
+
+class LinearFp8Kernel final : public LinearKernelBase {
+ public:
+  explicit LinearFp8Kernel(const KernelInit& init) : LinearKernelBase(init), block_(init.attrs->Int("block_size")) {}
+
+  void Compute(ComputeContext& ctx) override {
+    const InputView &weight = ctx.Input(1), &scale = ctx.Input(2);
+    WeightView w;
+    w.format = WeightFormat::kFp8E4M3;
+    w.data = weight.data;
+    w.rows = weight.dim(0);
+    w.cols = weight.dim(1);
+    w.block = block_;
+    w.scale = scale.data;
+    w.scale_format = scale.dtype == kUint8 ? ScaleFormat::kE8M0 : ScaleFormat::kF32;
+    ExpectScaleShape(scale, {BlockCount(w.rows, block_), BlockCount(w.cols, block_)},
+                     "[ceil(N/block_size), ceil(Kw/block_size)] for weight " + ShapeString(weight.shape) +
+                         " and block_size=" + std::to_string(block_));
+    CheckScaleValues(scale, 0, scale.numel);
+    Run(ctx, w, k_.f32_fp8, k_.bf16_fp8);
+  }
+
+ private:
+  const int64_t block_;
+};
+
+class LinearFp4Kernel final : public LinearKernelBase {
+ public:
+  using LinearKernelBase::LinearKernelBase;
+
+  void Compute(ComputeContext& ctx) override {
+    const InputView &weight = ctx.Input(1), &scale = ctx.Input(2);
+    WeightView w;
+    w.format = WeightFormat::kFp4E2M1;
+    w.data = weight.data;
+    w.rows = weight.dim(0);
+    w.cols = 2 * weight.dim(1);
+    w.block = kFp4Block;
+    w.scale = scale.data;
+    w.scale_format = ScaleFormat::kE8M0;
+    CheckFp4Width(weight, w.cols, "Kw");
+    ExpectScaleShape(scale, {w.rows, w.cols / kFp4Block},
+                     "[N, Kw/32] for weight " + ShapeString(weight.shape) + " (Kw=" + std::to_string(w.cols) + ")");
+    CheckScaleValues(scale, 0, scale.numel);
+    Run(ctx, w, k_.f32_fp4, k_.bf16_fp4);
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Kernel> MakeLinear(const KernelInit& init) { return std::make_unique<LinearKernel>(init); }
+std::unique_ptr<Kernel> MakeLinearFp8(const KernelInit& init) { return std::make_unique<LinearFp8Kernel>(init); }
+std::unique_ptr<Kernel> MakeLinearFp4(const KernelInit& init) { return std::make_unique<LinearFp4Kernel>(init); }
+
+}  // namespace dsv4::glue

@@ -1,0 +1,289 @@
+"""MoeExperts / MoeExpertsFp8 / MoeExpertsFp4 through onnxruntime vs models.functional.moe_ffn / expert_ffn (weights
+built with models.quant), every ISA level."""
+
+import numpy as np
+import pytest
+import torch
+from onnx_helpers import bf16, bf16_to_f32, run_op, session_error
+from weight_formats import FORMATS, SUFFIX, make_stacked
+
+from conftest import tol
+from dsv4_ort.models import functional as F
+
+
+def activations(rng, tokens, dim, dtype):
+    x = rng.standard_normal((tokens, dim)).astype(np.float32)
+    if dtype == "bfloat16":
+        xb = bf16(x)
+        return xb, torch.from_numpy(bf16_to_f32(xb)).to(torch.bfloat16)
+    return x, torch.from_numpy(x)
+
+
+def routing(rng, tokens, experts, k, unused=()):
+    """Distinct experts per token drawn from the experts not in `unused`; positive weights."""
+    pool = np.array([e for e in range(experts) if e not in unused])
+    idx = np.array([rng.permutation(pool)[:k] for _ in range(tokens)], np.int64).reshape(tokens, k)
+    return rng.uniform(0.2, 1.5, (tokens, k)).astype(np.float32), idx
+
+
+def expert_weights(rng, experts, inter, dim, fmt, block=128, gain=2.0, down_gain=1.0):
+    """w1, w2, w3 in `fmt`; gain scales w1/w3 so that |gate|, |up| reach a few units (the clamp matters for L ~ 2)."""
+    def rnd(shape, fan_in, g):
+        return torch.from_numpy((g * rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32))
+
+    return (make_stacked(rnd((experts, inter, dim), dim, gain), fmt, block, seed=1),
+            make_stacked(rnd((experts, dim, inter), inter, down_gain), fmt, block, seed=2),
+            make_stacked(rnd((experts, inter, dim), dim, gain), fmt, block, seed=3))
+
+
+def run_moe(fmt, x, weights, indices, ws, limit=None, block=128, isa=None, threads=2):
+    w1, w2, w3 = ws
+    inputs = {"x": x, "weights": weights, "indices": indices, "w1": w1.data, "w2": w2.data, "w3": w3.data}
+    attrs = {}
+    if w1.scale is not None:
+        inputs.update(s1=w1.scale, s2=w2.scale, s3=w3.scale)
+        if fmt.startswith("fp8") and block != 128:
+            attrs["block_size"] = block
+    if limit is not None:
+        attrs["swiglu_limit"] = limit
+    return run_op("MoeExperts" + SUFFIX[fmt], inputs, attrs, isa, threads)[0]
+
+
+def reference(xt, weights, indices, ws, limit=10.0):
+    w1, w2, w3 = (w.dense for w in ws)
+    if indices is None:
+        return F.expert_ffn(xt, w1[0], w2[0], w3[0], swiglu_limit=limit)
+    return F.moe_ffn(xt, torch.from_numpy(weights), torch.from_numpy(indices), w1, w2, w3, swiglu_limit=limit)
+
+
+def check(y, ref, dtype):
+    assert y.shape == tuple(ref.shape)
+    np.testing.assert_allclose(y, ref.float().numpy(), **tol("bfloat16" if dtype == "bfloat16" else "float32_reduction"))
+
+
+# T, E, k, d, I (d, I multiples of 32 for FP4); the last expert is never routed to. T = 0: test_no_tokens.
+SHAPES = [(1, 4, 2, 64, 96), (17, 6, 2, 96, 64)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_moe_experts(isa, fmt, dtype, shape):
+    tokens, experts, k, dim, inter = shape
+    rng = np.random.default_rng(tokens * 100 + dim + FORMATS.index(fmt))
+    x, xt = activations(rng, tokens, dim, dtype)
+    weights, indices = routing(rng, tokens, experts, k, unused=(experts - 1,))
+    ws = expert_weights(rng, experts, inter, dim, fmt)
+    check(run_moe(fmt, x, weights, indices, ws, isa=isa), reference(xt, weights, indices, ws), dtype)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_no_tokens(isa, fmt):
+    rng = np.random.default_rng(1)
+    ws = expert_weights(rng, 4, 32, 64, fmt)
+    x = np.zeros((0, 64), np.float32)
+    y = run_moe(fmt, x, np.zeros((0, 2), np.float32), np.zeros((0, 2), np.int64), ws, isa=isa)
+    assert y.shape == (0, 64)
+    assert run_moe(fmt, bf16(x), None, None, expert_weights(rng, 1, 32, 64, fmt), isa=isa).shape == (0, 64)
+
+
+# FP8 with d and I not multiples of the block (partial blocks on both axes of every matrix).
+@pytest.mark.parametrize("fmt,shape,block", [("fp8_e8m0", (3, 3, 2, 160, 200), 128),
+                                             ("fp8_f32", (3, 3, 2, 160, 200), 128),
+                                             ("fp8_e8m0", (5, 3, 2, 72, 40), 32)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_moe_experts_fp8_partial_blocks(isa, fmt, dtype, shape, block):
+    tokens, experts, k, dim, inter = shape
+    rng = np.random.default_rng(dim + inter)
+    x, xt = activations(rng, tokens, dim, dtype)
+    weights, indices = routing(rng, tokens, experts, k)
+    ws = expert_weights(rng, experts, inter, dim, fmt, block)
+    check(run_moe(fmt, x, weights, indices, ws, block=block, isa=isa), reference(xt, weights, indices, ws), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dense_mlp_mode(isa, fmt, dtype):
+    """No weights/indices: the shared expert (E = 1, weight 1) == functional.expert_ffn without a routing weight."""
+    rng = np.random.default_rng(40 + FORMATS.index(fmt))
+    x, xt = activations(rng, 5, 64, dtype)
+    ws = expert_weights(rng, 1, 96, 64, fmt)
+    check(run_moe(fmt, x, None, None, ws, isa=isa), reference(xt, None, None, ws), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("limit", [1.5, 0.0, -1.0])
+def test_swiglu_limit(isa, dtype, limit):
+    """L > 0 clamps (gate from above, up both ways; with gain 2 many values exceed 1.5); L <= 0 disables the clamp,
+    as DeepSeek's reference does (compared with an effectively infinite limit)."""
+    rng = np.random.default_rng(77)
+    x, xt = activations(rng, 9, 64, dtype)
+    weights, indices = routing(rng, 9, 4, 2)
+    ws = expert_weights(rng, 4, 64, 64, "f32", gain=3.0)
+    y = run_moe("f32", x, weights, indices, ws, limit=limit, isa=isa)
+    check(y, reference(xt, weights, indices, ws, limit if limit > 0 else 1e30), dtype)
+    if limit > 0:  # the clamp changed the result
+        unclamped = reference(xt, weights, indices, ws, 1e30).float().numpy()
+        assert np.abs(y - unclamped).max() > 0.1
+
+
+def test_every_token_on_one_expert(isa):
+    """k = 1 and every token on expert 2 of 4 (the other experts unused)."""
+    rng = np.random.default_rng(3)
+    x, xt = activations(rng, 6, 32, "float32")
+    weights = rng.uniform(0.5, 1.0, (6, 1)).astype(np.float32)
+    indices = np.full((6, 1), 2, np.int64)
+    ws = expert_weights(rng, 4, 64, 32, "fp4")
+    check(run_moe("fp4", x, weights, indices, ws, isa=isa), reference(xt, weights, indices, ws), "float32")
+
+
+def test_result_independent_of_threads():
+    rng = np.random.default_rng(8)
+    x, _ = activations(rng, 23, 64, "bfloat16")
+    weights, indices = routing(rng, 23, 8, 3)
+    ws = expert_weights(rng, 8, 96, 64, "fp8_e8m0", 32)
+    y1 = run_moe("fp8_e8m0", x, weights, indices, ws, block=32, threads=1)
+    y2 = run_moe("fp8_e8m0", x, weights, indices, ws, block=32, threads=2)
+    np.testing.assert_array_equal(y1, y2)
+
+
+def test_token_chunks():
+    """More tokens than one activation chunk holds (64 MiB of fp32: 1024 tokens at k = 8, I = 2048): two chunks."""
+    rng = np.random.default_rng(12)
+    tokens, experts, k, dim, inter = 1030, 8, 8, 32, 2048
+    x, xt = activations(rng, tokens, dim, "float32")
+    weights, indices = routing(rng, tokens, experts, k)
+    # Outputs of order 1, so that fp32 summation-order differences (I = 2048, 8 experts) stay below atol.
+    ws = expert_weights(rng, experts, inter, dim, "bf16", down_gain=0.2)
+    check(run_moe("bf16", x, weights, indices, ws), reference(xt, weights, indices, ws), "float32")
+
+
+# ---- bad input ----------------------------------------------------------------------------------------------------
+
+def dense_inputs(tokens=3, experts=4, k=2, dim=32, inter=64, **override):
+    rng = np.random.default_rng(0)
+    weights, indices = routing(rng, tokens, experts, k)
+    inputs = {"x": rng.standard_normal((tokens, dim)).astype(np.float32), "weights": weights, "indices": indices,
+              "w1": np.zeros((experts, inter, dim), np.float32), "w2": np.zeros((experts, dim, inter), np.float32),
+              "w3": np.zeros((experts, inter, dim), np.float32)}
+    inputs.update(override)
+    return inputs
+
+
+@pytest.mark.parametrize("bad", [4, -1, 1 << 40])
+def test_index_out_of_range(bad):
+    inputs = dense_inputs()
+    inputs["indices"][2, 1] = bad
+    msg = session_error("MoeExperts", inputs)
+    assert "MoeExperts" in msg and "token 2" in msg and f"={bad}" in msg and "[0, 4)" in msg
+
+
+def test_weights_and_indices_together():
+    inputs = dense_inputs()
+    msg = session_error("MoeExperts", {**inputs, "indices": None})
+    assert "MoeExperts" in msg and "both" in msg and "'weights'" in msg
+    msg = session_error("MoeExperts", {**inputs, "weights": None})
+    assert "both" in msg and "'indices'" in msg
+
+
+def test_routing_shape_mismatch():
+    inputs = dense_inputs()
+    msg = session_error("MoeExperts", {**inputs, "weights": np.ones((3, 3), np.float32)})
+    assert "'weights'" in msg and "[3, 2]" in msg
+    msg = session_error("MoeExperts", {**inputs, "weights": np.ones((2, 2), np.float32),
+                                       "indices": np.zeros((2, 2), np.int64)})
+    assert "'indices'" in msg and "3 tokens" in msg
+
+
+def test_weight_shape_mismatch():
+    msg = session_error("MoeExperts", dense_inputs(w2=np.zeros((4, 32, 63), np.float32)))
+    assert "MoeExperts" in msg and "'w2'" in msg and "[4, 32, 64]" in msg
+    msg = session_error("MoeExperts", dense_inputs(w3=np.zeros((4, 64, 31), np.float32)))
+    assert "'w3'" in msg
+    msg = session_error("MoeExperts", dense_inputs(w1=np.zeros((4, 64, 33), np.float32)))
+    assert "'w1'" in msg and "d=32" in msg
+
+
+def test_dense_mode_needs_one_expert():
+    msg = session_error("MoeExperts", dense_inputs(weights=None, indices=None))
+    assert "MoeExperts" in msg and "dense" in msg and "E=4" in msg
+
+
+def fp8_inputs(scale_dtype=np.uint8, **override):
+    from onnx_helpers import fp8_e4m3
+
+    e, inter, dim = 4, 200, 160  # scales [4, 2, 2]
+    inputs = dense_inputs(experts=e, dim=dim, inter=inter)
+    one = 127 if scale_dtype == np.uint8 else 1.0
+    inputs.update(w1=fp8_e4m3(np.zeros((e, inter, dim), np.uint8)), w2=fp8_e4m3(np.zeros((e, dim, inter), np.uint8)),
+                  w3=fp8_e4m3(np.zeros((e, inter, dim), np.uint8)), s1=np.full((e, 2, 2), one, scale_dtype),
+                  s2=np.full((e, 2, 2), one, scale_dtype), s3=np.full((e, 2, 2), one, scale_dtype))
+    inputs.update(override)
+    return inputs
+
+
+def test_fp8_bad_scale_shape():
+    msg = session_error("MoeExpertsFp8", fp8_inputs(s2=np.full((4, 2, 1), 127, np.uint8)))
+    assert "MoeExpertsFp8" in msg and "'s2'" in msg and "[4, 2, 2]" in msg
+    msg = session_error("MoeExpertsFp8", fp8_inputs(s1=np.full((3, 2, 2), 127, np.uint8)))
+    assert "'s1'" in msg
+
+
+def test_fp8_nan_scale_of_used_expert():
+    inputs = fp8_inputs()
+    used = int(inputs["indices"][1, 0])
+    inputs["s2"][used, 1, 0] = 0xFF
+    msg = session_error("MoeExpertsFp8", inputs)
+    assert "MoeExpertsFp8" in msg and "'s2'" in msg and "0xFF" in msg and f"[{used}, 1, 0]" in msg
+    inputs = fp8_inputs(scale_dtype=np.float32)
+    inputs["s3"][used, 0, 0] = np.nan
+    msg = session_error("MoeExpertsFp8", inputs)
+    assert "'s3'" in msg and "non-finite" in msg
+
+
+def test_nan_scale_of_unused_expert_is_not_read():
+    inputs = fp8_inputs()
+    unused = sorted(set(range(4)) - set(inputs["indices"].ravel().tolist()))
+    if not unused:
+        inputs["indices"][:] = np.array([0, 1])
+        unused = [3]
+    inputs["s1"][unused[0]] = 0xFF
+    (y,) = run_op("MoeExpertsFp8", inputs)
+    assert np.isfinite(y).all()
+
+
+def fp4_inputs(dim=64, inter=96, **override):
+    e = 4
+    inputs = dense_inputs(experts=e, dim=dim, inter=inter)
+    inputs.update(w1=np.zeros((e, inter, dim // 2), np.uint8), w2=np.zeros((e, dim, inter // 2), np.uint8),
+                  w3=np.zeros((e, inter, dim // 2), np.uint8), s1=np.full((e, inter, dim // 32), 127, np.uint8),
+                  s2=np.full((e, dim, inter // 32), 127, np.uint8), s3=np.full((e, inter, dim // 32), 127, np.uint8))
+    inputs.update(override)
+    return inputs
+
+
+def test_fp4_width_not_multiple_of_32():
+    e, inter, dim = 4, 64, 48
+    inputs = dense_inputs(experts=e, dim=dim, inter=inter)
+    inputs.update(w1=np.zeros((e, inter, dim // 2), np.uint8), w2=np.zeros((e, dim, inter // 2), np.uint8),
+                  w3=np.zeros((e, inter, dim // 2), np.uint8), s1=np.zeros((e, inter, 1), np.uint8),
+                  s2=np.zeros((e, dim, 2), np.uint8), s3=np.zeros((e, inter, 1), np.uint8))
+    msg = session_error("MoeExpertsFp4", inputs)
+    assert "MoeExpertsFp4" in msg and "'w1'" in msg and "d=48" in msg and "multiple of 32" in msg
+    e, inter, dim = 4, 48, 64
+    inputs = dense_inputs(experts=e, dim=dim, inter=inter)
+    inputs.update(w1=np.zeros((e, inter, dim // 2), np.uint8), w2=np.zeros((e, dim, inter // 2), np.uint8),
+                  w3=np.zeros((e, inter, dim // 2), np.uint8), s1=np.zeros((e, inter, 2), np.uint8),
+                  s2=np.zeros((e, dim, 1), np.uint8), s3=np.zeros((e, inter, 2), np.uint8))
+    msg = session_error("MoeExpertsFp4", inputs)
+    assert "'w2'" in msg and "I=48" in msg and "multiple of 32" in msg
+
+
+def test_fp4_bad_scale():
+    msg = session_error("MoeExpertsFp4", fp4_inputs(s1=np.full((4, 96, 1), 127, np.uint8)))
+    assert "'s1'" in msg and "[4, 96, 2]" in msg
+    inputs = fp4_inputs()
+    used = int(inputs["indices"][0, 1])
+    inputs["s1"][used, 5, 1] = 0xFF
+    msg = session_error("MoeExpertsFp4", inputs)
+    assert "'s1'" in msg and "0xFF" in msg and f"[{used}, 5, 1]" in msg
