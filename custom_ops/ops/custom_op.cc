@@ -195,6 +195,48 @@ struct KernelState {
   std::unique_ptr<Kernel> kernel;
 };
 
+// Constant initializers seen from CreateKernel (OrtApi::KernelInfoGetConstantInput_tensor).
+class OrtConstantInputs final : public ConstantInputs {
+ public:
+  OrtConstantInputs(const TableOp& op, const OrtKernelInfo* info) : op_(op), info_(info) {}
+
+  bool Get(int index, InputView* out) const override {
+    if (index < 0 || index >= op_.spec->num_inputs) return false;
+    size_t count = 0;
+    Check(Api().KernelInfo_GetInputCount(info_, &count));
+    if (static_cast<size_t>(index) >= count) return false;
+    int is_constant = 0;
+    const OrtValue* value = nullptr;
+    Check(Api().KernelInfoGetConstantInput_tensor(info_, index, &is_constant, &value));
+    if (!is_constant || value == nullptr) return false;
+    OrtTensorTypeAndShapeInfo* ti = nullptr;
+    Check(Api().GetTensorTypeAndShape(value, &ti));
+    ONNXTensorElementDataType type;
+    size_t rank = 0;
+    OrtStatus* s = Api().GetTensorElementType(ti, &type);
+    if (s == nullptr) s = Api().GetDimensionsCount(ti, &rank);
+    InputView v;
+    v.shape.resize(rank);
+    if (s == nullptr) s = Api().GetDimensions(ti, v.shape.data(), rank);
+    Api().ReleaseTensorTypeAndShapeInfo(ti);
+    Check(s);
+    v.present = true;
+    v.dtype = type;
+    v.name = op_.spec->inputs[index].name;
+    v.numel = 1;
+    for (int64_t d : v.shape) v.numel *= d;
+    void* data = nullptr;
+    if (v.numel > 0) Check(Api().GetTensorMutableData(const_cast<OrtValue*>(value), &data));
+    v.data = data;
+    *out = std::move(v);
+    return true;
+  }
+
+ private:
+  const TableOp& op_;
+  const OrtKernelInfo* info_;
+};
+
 OrtStatus* ORT_API_CALL CreateKernelV2(const OrtCustomOp* op, const OrtApi*, const OrtKernelInfo* info,
                                        void** kernel) {
   const TableOp& t = AsTableOp(op);
@@ -202,7 +244,8 @@ OrtStatus* ORT_API_CALL CreateKernelV2(const OrtCustomOp* op, const OrtApi*, con
     auto state = std::make_unique<KernelState>();
     state->op = &t;
     state->attrs = ReadAttributes(*t.spec, info);
-    KernelInit init{t.spec, &state->attrs, t.isa, &GetKernelTables(t.isa)};
+    OrtConstantInputs constants(t, info);
+    KernelInit init{t.spec, &state->attrs, t.isa, &GetKernelTables(t.isa), &constants};
     state->kernel = t.factory(init);
     *kernel = state.release();
     return nullptr;

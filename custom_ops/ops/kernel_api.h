@@ -82,11 +82,21 @@ class ComputeContext {
   T* OutputAs(int index, const std::vector<int64_t>& shape) { return static_cast<T*>(Output(index, shape)); }
 };
 
+// Read-only access, at kernel creation, to inputs that are constant initializers (weights). Lets a kernel check
+// or rearrange a weight once per session instead of on every call. The view stays valid for the session's life.
+class ConstantInputs {
+ public:
+  virtual ~ConstantInputs() = default;
+  // True and fills `out` when input `index` is present and a constant initializer; false otherwise.
+  virtual bool Get(int index, InputView* out) const = 0;
+};
+
 struct KernelInit {
   const optable::OpSpec* spec;
   const Attributes* attrs;
-  IsaLevel isa;                // the session's effective ISA level
-  const KernelTables* tables;  // dispatch tables for that level
+  IsaLevel isa;                     // the session's effective ISA level
+  const KernelTables* tables;       // dispatch tables for that level
+  const ConstantInputs* constants;  // valid during the kernel's constructor only
 };
 
 class Kernel {
