@@ -16,6 +16,15 @@ Two namings are understood:
 
 Numerics: FP8 E4M3 weights with E8M0 128x128 block scales and FP4 E2M1 routed experts with E8M0
 1x32 scales are dequantised exactly (see :mod:`.quant`).
+
+transformers' ``from_pretrained`` loads both namings (the released one through its conversion
+mapping). Quantised checkpoints in the ``"hf"`` naming store the fused expert tensors quantised as
+a whole (``gate_up_proj`` + ``gate_up_proj_scale_inv``); with FP8 experts this needs
+``moe_intermediate_size % 128 == 0`` so that no 128-row scale block straddles gate and up.
+
+Main entry points: :func:`iter_checkpoint` (stream ``(name, dense tensor)`` or :class:`RawTensor`),
+:func:`load_model`, :func:`write_random_checkpoint`, :func:`deepseek_to_hf` / :func:`hf_to_deepseek`,
+:func:`hf_state_dict_to_deepseek` / :func:`deepseek_state_dict_to_hf`.
 """
 
 from __future__ import annotations
@@ -296,7 +305,9 @@ def hf_state_dict_to_deepseek(
     return out
 
 
-def deepseek_state_dict_to_hf(state_dict: dict[str, torch.Tensor], include_mtp: bool = False) -> dict[str, torch.Tensor]:
+def deepseek_state_dict_to_hf(
+    state_dict: dict[str, torch.Tensor], include_mtp: bool = False
+) -> dict[str, torch.Tensor]:
     """Inverse of :func:`hf_state_dict_to_deepseek` (dense tensors): fuses per-expert w1/w3/w2.
 
     ``mtp.*`` entries are dropped unless ``include_mtp`` (transformers has no MTP module).
@@ -446,6 +457,58 @@ class _StreamingShardWriter:
         if self.pos != len(self.order):
             raise RuntimeError(f"{self.path}: wrote {self.pos} of {len(self.order)} tensors")
         self.f.close()
+
+
+_ST_CODES = {code: dt for dt, (code, _) in _ST_DTYPES.items()}
+
+
+class _ShardReader:
+    """Reads tensors of one safetensors file with plain ``readinto`` calls.
+
+    Every tensor gets its own memory (no memory map): the result never aliases the file, so the
+    file may be rewritten while tensors or models loaded from it are alive, and resident memory
+    holds only the tensors kept by the caller.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self.header, self.data_start = _read_header(path)
+        self.f = open(path, "rb")
+
+    def close(self) -> None:
+        self.f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.header[name]["shape"])
+
+    def get(self, name: str, index: int | None = None) -> torch.Tensor:
+        """Tensor ``name`` (or its slice ``[index]`` along dim 0)."""
+        info = self.header[name]
+        code = info["dtype"]
+        dtype = _ST_CODES.get(code)
+        if dtype is None:
+            raise DtypeMismatchError(f"unsupported safetensors dtype {code}", tensor=name, file=self.path)
+        shape = tuple(info["shape"])
+        begin, end = info["data_offsets"]
+        if index is not None:
+            if not shape or not 0 <= index < shape[0]:
+                raise ShapeMismatchError(f"index {index} outside dim 0 of shape {shape}", tensor=name, file=self.path)
+            per = (end - begin) // shape[0]
+            begin, end, shape = begin + index * per, begin + (index + 1) * per, shape[1:]
+        out = torch.empty(shape, dtype=dtype)
+        n = end - begin
+        if n:
+            self.f.seek(self.data_start + begin)
+            got = self.f.readinto(memoryview(out.view(torch.uint8).reshape(-1).numpy()))
+            if got != n:
+                raise CorruptCheckpointError(f"short read: {got} of {n} bytes", tensor=name, file=self.path)
+        return out
 
 
 # ==============================================================================================
@@ -619,19 +682,22 @@ class Checkpoint:
         consumed: set[str] = set()
         seen: set[str] = set()
         for file in self.files:
-            header, _ = _read_header(file)
             listed = {n for n, f in self.weight_map.items() if f == file}
-            for n in listed - set(header):
-                raise MissingTensorError("tensor listed in the index is not in its shard", tensor=n, file=file)
-            for n in set(header) - listed:
-                raise UnexpectedTensorError("tensor in a shard but not in the index", tensor=n, file=file)
-            names = sorted(header, key=lambda k: header[k]["data_offsets"][0])
             try:
-                from safetensors import safe_open
-            except ImportError as e:  # pragma: no cover
-                raise RuntimeError("reading checkpoints needs the 'safetensors' package") from e
-            with safe_open(file, framework="pt") as f:
-                for name in names:
+                reader = _ShardReader(file)
+            except CorruptCheckpointError as e:
+                if e.tensor is not None or not listed:
+                    raise
+                msg = e.args[0].split(" | ")[0]
+                raise CorruptCheckpointError(f"{msg} (the shard of {len(listed)} tensors, including)",
+                                             tensor=min(listed), file=file) from None
+            with reader as f:
+                header = f.header
+                for n in sorted(listed - set(header)):
+                    raise MissingTensorError("tensor listed in the index is not in its shard", tensor=n, file=file)
+                for n in sorted(set(header) - listed):
+                    raise UnexpectedTensorError("tensor in a shard but not in the index", tensor=n, file=file)
+                for name in sorted(header, key=lambda k: header[k]["data_offsets"][0]):
                     if self._is_scale_name(name) is not None:
                         continue
                     if self._looks_like_scale(name):
@@ -645,29 +711,26 @@ class Checkpoint:
             if n not in seen and n not in consumed:
                 raise UnexpectedTensorError("scale tensor without a matching weight", tensor=n, file=self.weight_map[n])
 
-    def _get(self, f, file: str, name: str, index: int | None = None) -> torch.Tensor:
+    def _get(self, f: _ShardReader, file: str, name: str, index: int | None = None) -> torch.Tensor:
         try:
-            if index is None:
-                return f.get_tensor(name)
-            return f.get_slice(name)[index]
-        except Exception as e:  # safetensors raises its own error types
+            return f.get(name, index)
+        except CheckpointError:
+            raise
+        except Exception as e:
             raise CorruptCheckpointError(f"cannot read tensor ({e})", tensor=name, file=file) from None
 
-    def _get_scale(self, f, file: str, sname: str, index: int | None = None) -> torch.Tensor:
+    def _get_scale(self, f: _ShardReader, file: str, sname: str, index: int | None = None) -> torch.Tensor:
         sfile = self.weight_map[sname]
         if sfile == file:
             return self._get(f, file, sname, index)
-        from safetensors import safe_open
-
-        _read_header(sfile)
-        with safe_open(sfile, framework="pt") as g:
+        with _ShardReader(sfile) as g:
             return self._get(g, sfile, sname, index)
 
-    def _raw_items(self, f, file: str, name: str, sname: str | None) -> Iterator[RawTensor]:
+    def _raw_items(self, f: _ShardReader, file: str, name: str, sname: str | None) -> Iterator[RawTensor]:
         if self.naming == "hf":
             m = _HF_EXPERT_RE.match(name)
             if m:
-                n_exp = f.get_slice(name).get_shape()[0]
+                n_exp = f.shape(name)[0]
                 ds_names = hf_to_deepseek(name, n_exp)
                 fused = m.group(2) == "gate_up_proj"
                 per = 2 if fused else 1
@@ -685,7 +748,8 @@ class Checkpoint:
             try:
                 (ds_name,) = hf_to_deepseek(name)
             except UnexpectedTensorError:
-                raise UnexpectedTensorError("not a transformers DeepSeek-V4 tensor name", tensor=name, file=file) from None
+                raise UnexpectedTensorError(
+                    "not a transformers DeepSeek-V4 tensor name", tensor=name, file=file) from None
         else:
             ds_name = name
             try:
@@ -731,7 +795,8 @@ class Checkpoint:
             want = (rows, math.ceil(cols / Q.FP4_BLOCK))
             if tuple(scale.shape) != want:
                 raise ShapeMismatchError(
-                    f"packed FP4 weight {tuple(data.shape)} with scale {tuple(scale.shape)} (expected {want})", name, file)
+                    f"packed FP4 weight {tuple(data.shape)} with scale {tuple(scale.shape)} (expected {want})",
+                    name, file)
             return RawTensor(name, data, scale, "fp4", file, (1, Q.FP4_BLOCK))
         raise DtypeMismatchError(f"weight dtype {data.dtype} cannot carry a block scale", name, file)
 
@@ -755,12 +820,16 @@ class Checkpoint:
         d = data[:half] if part == "gate" else data[half:]
         return RawTensor(ds_name, d, sc, whole.fmt, whole.file, whole.block)
 
-    def iter_dense(self, dtype: torch.dtype | None = torch.float32, validate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_dense(
+        self, dtype: torch.dtype | None = torch.float32, validate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(deepseek_name, dense tensor)`` pairs; see :func:`iter_checkpoint`."""
         for rt in self.iter_raw():
             yield rt.name, rt.dequantize(dtype, validate=validate)
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """:class:`Checkpoint` of ``path`` (files, weight map, naming, config dict)."""
     return Checkpoint(path)
 
 
@@ -838,7 +907,8 @@ def load_model(
         try:
             config = DeepseekV4Config.from_dict(cfg_dict)
         except (TypeError, ValueError) as e:
-            raise UnsupportedModelError(f"invalid config ({e})", file=os.path.join(_dir_of(path), CONFIG_FILE)) from None
+            cfg_file = os.path.join(_dir_of(path), CONFIG_FILE)
+            raise UnsupportedModelError(f"invalid config ({e})", file=cfg_file) from None
     ck = Checkpoint(path)
     with _parameters_on_meta(DeepseekV4ForCausalLM):
         model = DeepseekV4ForCausalLM(config, dtype=dtype)
@@ -861,7 +931,8 @@ def load_model(
         mod, leaf, is_param, ref = slots[name]
         if tuple(rt.shape) != tuple(ref.shape):
             raise ShapeMismatchError(
-                f"shape {tuple(rt.shape)} in the checkpoint, {tuple(ref.shape)} in the model", tensor=name, file=rt.file)
+                f"shape {tuple(rt.shape)} in the checkpoint, {tuple(ref.shape)} in the model",
+                tensor=name, file=rt.file)
         t = rt.dequantize(None, validate=validate)
         if ref.is_floating_point() != t.is_floating_point():
             raise DtypeMismatchError(f"dtype {t.dtype} in the checkpoint, {ref.dtype} in the model", name, rt.file)
@@ -926,7 +997,7 @@ def deepseek_tensor_specs(config: Any) -> list[TensorSpec]:
     H, D, dc = c["num_attention_heads"], c["head_dim"], c["q_lora_rank"]
     G, dg = c["o_groups"], c["o_lora_rank"]
     nI, cI = c["index_n_heads"], c["index_head_dim"]
-    E, K, I = c["n_routed_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"]
+    E, K, inter = c["n_routed_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"]
     hc, V = c["hc_mult"], c["vocab_size"]
     ratios = c["compress_ratios"]
     n_hash = c.get("num_hash_layers", 0)
@@ -974,12 +1045,12 @@ def deepseek_tensor_specs(config: Any) -> list[TensorSpec]:
         else:
             add(f + "gate.bias", (E,), "fp32", "bias")
         for e in range(E):
-            add(f + f"experts.{e}.w1.weight", (I, d), "expert", "linear")
-            add(f + f"experts.{e}.w2.weight", (d, I), "expert", "linear")
-            add(f + f"experts.{e}.w3.weight", (I, d), "expert", "linear")
-        add(f + "shared_experts.w1.weight", (I, d), "linear", "linear")
-        add(f + "shared_experts.w2.weight", (d, I), "linear", "linear")
-        add(f + "shared_experts.w3.weight", (I, d), "linear", "linear")
+            add(f + f"experts.{e}.w1.weight", (inter, d), "expert", "linear")
+            add(f + f"experts.{e}.w2.weight", (d, inter), "expert", "linear")
+            add(f + f"experts.{e}.w3.weight", (inter, d), "expert", "linear")
+        add(f + "shared_experts.w1.weight", (inter, d), "linear", "linear")
+        add(f + "shared_experts.w2.weight", (d, inter), "linear", "linear")
+        add(f + "shared_experts.w3.weight", (inter, d), "linear", "linear")
 
     add("embed.weight", (V, d), "bf16", "embed")
     for i in range(n_layers):
@@ -1010,32 +1081,34 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed((int(seed) * 0x9E3779B1 + zlib.crc32(name.encode())) % (2**63))
 
 
-def _random_value(spec: TensorSpec, seed: int) -> torch.Tensor:
-    """Deterministic float32 (or int64) value of one tensor, independent of naming and order."""
-    g = _generator(seed, spec.name)
-    shape = spec.shape
-    if spec.init == "tid2eid":
-        raise ValueError("tid2eid tables are drawn by _random_tid2eid")
+def _draw(spec: TensorSpec, g: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
+    """Next ``shape`` float32 values of ``spec`` from its generator (``shape`` may be a row chunk)."""
+    init = spec.init
+    if init == "hc_scale":
+        return torch.rand(shape, generator=g).add_(0.5)  # positive, around 1
     x = torch.randn(shape, generator=g, dtype=torch.float32)
-    if spec.init == "linear":
-        return x.mul_(shape[-1] ** -0.5)
-    if spec.init == "embed":
+    fan_in = spec.shape[-1]
+    if init in ("linear", "hc_fn"):
+        return x.mul_(fan_in**-0.5)  # unit-variance outputs for unit-variance inputs
+    if init in ("embed", "sink"):
         return x
-    if spec.init == "norm":
+    if init == "norm":
         return x.mul_(0.1).add_(1.0)
-    if spec.init == "hc_fn":
-        return x.mul_(shape[-1] ** -0.5)
-    if spec.init == "hc_base":
+    if init in ("hc_base", "ape"):
         return x.mul_(0.5)
-    if spec.init == "hc_scale":
-        return torch.rand(shape, generator=g).add_(0.5)
-    if spec.init == "sink":
-        return x
-    if spec.init == "ape":
-        return x.mul_(0.5)
-    if spec.init == "bias":
+    if init == "bias":
         return x.mul_(0.1)
-    raise ValueError(f"unknown init {spec.init!r}")
+    raise ValueError(f"unknown init {init!r}")
+
+
+_CHUNK_ELEMS = 1 << 22
+
+
+def _row_chunks(rows: int, cols: int) -> Iterator[tuple[int, int]]:
+    """Row ranges of about 4M elements, multiples of 128 rows (whole FP8 scale blocks)."""
+    step = max(Q.FP8_BLOCK, _CHUNK_ELEMS // max(cols, 1) // Q.FP8_BLOCK * Q.FP8_BLOCK)
+    for r0 in range(0, rows, step):
+        yield r0, min(rows, r0 + step)
 
 
 def _random_tid2eid(name: str, vocab: int, k: int, n_experts: int, seed: int) -> torch.Tensor:
@@ -1063,38 +1136,63 @@ def _storage_kind(spec: TensorSpec, weights: str) -> str:
 
 
 def random_tensors(
-    config: Any, weights: str = "bf16", seed: int = 0, raw: bool = False
+    config: Any, weights: str = "bf16", seed: int = 0, raw: bool = False, names: Iterable[str] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]] | Iterator[RawTensor]:
     """The tensors :func:`write_random_checkpoint` writes, one at a time, in DeepSeek naming.
 
     ``raw=False``: ``(name, exact dense value)`` (float32 for quantised weights, stored dtype
-    otherwise); ``raw=True``: :class:`RawTensor` with the stored data and scale.
+    otherwise); ``raw=True``: :class:`RawTensor` with the stored data and scale. ``names``: only
+    generate these (each value depends only on seed, weights mode and name).
     """
     if weights not in _WEIGHT_MODES:
         raise ValueError(f"weights must be one of {_WEIGHT_MODES}, got {weights!r}")
     c = _cfg_dict(config)
+    keep = None if names is None else set(names)
     for spec in deepseek_tensor_specs(c):
+        if keep is not None and spec.name not in keep:
+            continue
         rt = _make_raw(spec, weights, seed, c)
         yield rt if raw else (rt.name, rt.dequantize(None))
 
 
 def _make_raw(spec: TensorSpec, weights: str, seed: int, c: dict) -> RawTensor:
+    """Generate one tensor in its stored form, row chunk by row chunk (peak ~ stored size + 16 MB)."""
     kind = _storage_kind(spec, weights)
     if kind == "int64":
         V, K = spec.shape
         return RawTensor(spec.name, _random_tid2eid(spec.name, V, K, c["n_routed_experts"], seed), None, "dense", "")
-    x = _random_value(spec, seed)
-    if kind == "fp32":
-        return RawTensor(spec.name, x, None, "dense", "")
-    if kind == "bf16":
-        return RawTensor(spec.name, x.to(torch.bfloat16), None, "dense", "")
+    g = _generator(seed, spec.name)
+    shape = spec.shape
+    chunks = list(_row_chunks(*shape)) if len(shape) == 2 else [None]
+    data = scale = None
+    for ch in chunks:
+        x = _draw(spec, g, shape if ch is None else (ch[1] - ch[0], shape[1]))
+        if kind in ("fp32", "bf16"):
+            part, sc = x.to(torch.float32 if kind == "fp32" else torch.bfloat16), None
+        elif kind == "fp8":
+            part, sc = Q.quant_fp8_block(x, scale_dtype="uint8")
+        else:
+            part, sc = Q.quant_fp4(x, scale_dtype="uint8")
+        if ch is None:
+            data, scale = part, sc
+            break
+        if data is None:
+            data = torch.empty((shape[0], *part.shape[1:]), dtype=part.dtype)
+            if sc is not None:
+                srows = math.ceil(shape[0] / Q.FP8_BLOCK) if kind == "fp8" else shape[0]
+                scale = torch.empty((srows, sc.shape[1]), dtype=torch.uint8)
+        data[ch[0] : ch[1]] = part
+        if sc is not None:
+            if kind == "fp8":
+                b0 = ch[0] // Q.FP8_BLOCK
+                scale[b0 : b0 + sc.shape[0]] = sc
+            else:
+                scale[ch[0] : ch[1]] = sc
     if kind == "fp8":
-        q, s = Q.quant_fp8_block(x)
-        return RawTensor(spec.name, q, s, "fp8", "", (Q.FP8_BLOCK, Q.FP8_BLOCK))
+        return RawTensor(spec.name, data, scale.view(torch.float8_e8m0fnu), "fp8", "", (Q.FP8_BLOCK, Q.FP8_BLOCK))
     if kind == "fp4":
-        q, s = Q.quant_fp4(x)
-        return RawTensor(spec.name, q, s, "fp4", "", (1, Q.FP4_BLOCK))
-    raise AssertionError(kind)
+        return RawTensor(spec.name, data, scale.view(torch.float8_e8m0fnu), "fp4", "", (1, Q.FP4_BLOCK))
+    return RawTensor(spec.name, data, None, "dense", "")
 
 
 _ST_FOR_KIND = {"bf16": torch.bfloat16, "fp32": torch.float32, "int64": torch.int64, "fp8": torch.float8_e4m3fn,
@@ -1145,7 +1243,7 @@ def _file_groups(c: dict, naming: str, weights: str, seed: int) -> list[_Group]:
         return groups
 
     # transformers naming: 1:1 tensors, then fused experts per layer (after that layer's tensors)
-    E, I = c["n_routed_experts"], c["moe_intermediate_size"]
+    E, inter = c["n_routed_experts"], c["moe_intermediate_size"]
     pending: dict[str, list[TensorSpec]] = {}
     for spec in specs:
         slot = deepseek_to_hf(spec.name)
@@ -1168,21 +1266,21 @@ def _file_groups(c: dict, naming: str, weights: str, seed: int) -> list[_Group]:
         pending.setdefault(slot.name, []).append(spec)
         if spec.name.endswith(f"experts.{E - 1}.w3.weight"):  # layer complete: emit its fused tensors
             for fused in (slot.name, slot.name.replace("gate_up_proj", "down_proj")):
-                groups.append(_fused_group(fused, pending.pop(fused), kind, weights, seed, c, E, I))
+                groups.append(_fused_group(fused, pending.pop(fused), kind, weights, seed, c, E, inter))
     assert not pending, sorted(pending)
     return groups
 
 
 def _fused_group(hf_name: str, members: list[TensorSpec], kind: str, weights: str, seed: int, c: dict,
-                 E: int, I: int) -> _Group:
+                 E: int, inter: int) -> _Group:
     gate_up = hf_name.endswith("gate_up_proj")
     per = {deepseek_to_hf(s.name)[1:]: s for s in members}  # (expert, part) -> spec
     one = members[0].shape
-    shape = (E, 2 * I, one[1]) if gate_up else (E, *one)
-    if kind == "fp8" and gate_up and I % Q.FP8_BLOCK:
+    shape = (E, 2 * inter, one[1]) if gate_up else (E, *one)
+    if kind == "fp8" and gate_up and inter % Q.FP8_BLOCK:
         raise ValueError(
             f"FP8 experts in transformers naming need moe_intermediate_size % {Q.FP8_BLOCK} == 0 "
-            f"(the fused gate_up_proj shares block scales), got {I}")
+            f"(the fused gate_up_proj shares block scales), got {inter}")
     items = [(hf_name, _ST_FOR_KIND[kind], _stored_shape(kind, shape))]
     if kind in ("fp8", "fp4"):
         items.append((hf_name + "_scale_inv", torch.float8_e8m0fnu, _scale_shape(kind, shape)))
@@ -1237,7 +1335,11 @@ def _hf_config(config: Any, c: dict, weights: str) -> dict:
         d["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
                                     "activation_scheme": "dynamic", "weight_block_size": [128, 128],
                                     "expert_dtype": "fp4" if weights == "native" else "fp8"}
-    return {k: v for k, v in d.items() if v is not None}
+        return {k: v for k, v in d.items() if v is not None}
+    # explicit nulls: an absent key would mean the released FP8 / FP4 defaults
+    d["quantization_config"] = None
+    d["expert_dtype"] = "bf16" if weights == "bf16" else None
+    return {k: v for k, v in d.items() if v is not None or k in ("quantization_config", "expert_dtype")}
 
 
 def write_random_checkpoint(

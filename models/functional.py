@@ -17,7 +17,11 @@ Conventions
 Numerics follow transformers' ``models/deepseek_v4`` (the test oracle). Differences from DeepSeek's own
 ``inference/model.py``: no FP8/FP4 quantisation-aware round trips of activations, kv or indexer q/k,
 and no Hadamard rotation of the indexer q/k (orthonormal, so index scores agree in exact arithmetic);
-index scores are float32 rather than bfloat16.
+index scores are float32 rather than bfloat16. Differences from transformers that change rounding
+only: the compressor and router projections run in float32 for every activation dtype (as DeepSeek's
+reference does); the routing weight multiplies the expert activation before w2 (transformers: after);
+top-k ties are broken by the lowest index (torch.topk leaves them unspecified); with softmax scoring
+the selected weights are renormalised only when ``norm_topk_prob`` (transformers always renormalises).
 """
 
 from __future__ import annotations
@@ -29,6 +33,11 @@ import torch
 import torch.nn.functional as F
 
 # ---------------------------------------------------------------------------------------------- basics
+
+
+def _eager() -> bool:
+    """False while tracing / exporting: data-dependent argument checks are skipped there."""
+    return not (torch.jit.is_tracing() or torch.compiler.is_compiling())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -276,9 +285,9 @@ def compressor_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, no
 
     State layout: rows ``[off, off + r)`` (off = r if overlapping else 0) hold kv / score+ape of the
     tokens of the block containing the next position P = start_pos + S (row off + p % r); with overlap,
-    rows [0, r) hold the previous complete block. Rows not holding such a token are not read; rows of
-    a row whose start_pos is a fresh sequence (block 0) are never read, so a reused state needs no
-    reset. One-shot, chunked and token-by-token processing give identical entries.
+    rows [0, r) hold the previous complete block. Only rows holding such tokens (positions < start_pos)
+    are read, so the state of a batch row starting a new sequence (start_pos = 0) needs no reset.
+    One-shot, chunked and token-by-token processing give identical entries.
     """
     B, S, W = kv.shape
     r, c = ape.shape[0], norm_weight.shape[0]
@@ -320,7 +329,7 @@ def compressor_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, no
     e = apply_rope(e, cos, sin)
 
     N = entries.shape[1]
-    if bool((done & (idx >= N)).any()):
+    if _eager() and bool((done & (idx >= N)).any()):
         raise ValueError(f"compressor_step: entry index beyond capacity {N} (increase max_seq_len)")
     out = torch.cat([entries, entries.new_zeros(B, 1, c)], dim=1)  # slot N catches unfinished blocks
     tgt = torch.where(done, idx, N)[..., None].expand(B, nb, c)
@@ -469,6 +478,11 @@ def moe_ffn(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
     experts in ascending index order; returned in x.dtype.
     """
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    if not _eager():  # static graph: every expert on every token, non-routed pairs weighted 0
+        dense = torch.zeros(x.shape[0], len(w1), device=x.device).scatter(1, indices, weights.float())
+        for e in range(len(w1)):
+            y += expert_ffn(x, w1[e], w2[e], w3[e], swiglu_limit=swiglu_limit, weight=dense[:, e]).float()
+        indices = indices[:0]
     for e in torch.unique(indices).tolist():
         tok, slot = torch.where(indices == e)
         y.index_add_(0, tok, expert_ffn(x[tok], w1[e], w2[e], w3[e], swiglu_limit=swiglu_limit,

@@ -59,8 +59,6 @@ FP4_BLOCK = 32
 
 # Code k (0..15) -> value. Bit 3 is the sign.
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-# Midpoints between consecutive non-negative magnitudes (used by the encoder).
-_FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 _E8M0_DTYPE = getattr(torch, "float8_e8m0fnu", None)
 _FP4X2_DTYPE = getattr(torch, "float4_e2m1fn_x2", None)
@@ -197,20 +195,24 @@ def fp4_e2m1_to_float(codes: torch.Tensor) -> torch.Tensor:
     return lut[codes.to(torch.int64) & 0xF]
 
 
+# magnitude * 2 (0, 1, 2, 3, 4, 6, 8, 12) -> code
+_FP4_CODE_OF_2X = (0, 1, 2, 3, 4, 0, 5, 0, 6, 0, 0, 0, 7)
+
+
 def float_to_fp4_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Round float values to E2M1 codes (uint8 in 0..15): nearest, ties to even, saturating at 6.
 
-    The sign bit follows the sign of the input (so ``-0.0`` and tiny negatives give code 8).
+    The grid spacing is 0.5 below 2, 1 on [2, 4) and 2 from 4, so rounding is ``round(a / step) *
+    step`` with torch's round-half-to-even, which is exactly ties-to-even on the E2M1 mantissa. The
+    sign bit follows the sign of the input (``-0.0`` and tiny negatives give code 8); NaN gives 0.
     """
     x = x.to(torch.float32)
-    a = x.abs()
-    mids = torch.tensor(_FP4_MIDPOINTS, dtype=torch.float32, device=x.device)
-    idx = torch.bucketize(a, mids, right=False)  # a == mids[k] -> k (rounded down)
-    tie = a == mids[idx.clamp(max=len(_FP4_MIDPOINTS) - 1)]
-    idx = idx + (tie & (idx % 2 == 1)).to(idx.dtype)  # ties go to the even code
-    idx = torch.where(torch.isnan(a), torch.zeros_like(idx), idx)
-    sign = torch.signbit(x).to(torch.int64) << 3
-    return (idx | sign).to(torch.uint8)
+    a = torch.nan_to_num(x.abs(), nan=0.0)
+    step = (a >= 2.0).to(torch.float32).add_((a >= 4.0).to(torch.float32)).exp2_().mul_(0.5)  # .5 / 1 / 2
+    twice = a.div_(step).round_().mul_(step).clamp_(max=FP4_E2M1_MAX).mul_(2.0).to(torch.uint8)
+    lut = torch.tensor(_FP4_CODE_OF_2X, dtype=torch.uint8, device=x.device)
+    code = lut[twice.to(torch.int64)]
+    return code | (torch.signbit(x).to(torch.uint8) << 3)
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
@@ -303,6 +305,18 @@ def dequant_fp8_block(
     return out if out_dtype == torch.float32 else out.to(out_dtype)
 
 
+_PAIR_LUTS: dict = {}
+
+
+def _fp4_pair_lut(device) -> torch.Tensor:
+    key = str(device)
+    if key not in _PAIR_LUTS:
+        v = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32)
+        b = torch.arange(256)
+        _PAIR_LUTS[key] = torch.stack((v[b & 0xF], v[b >> 4]), dim=-1).to(device)  # [256, 2]
+    return _PAIR_LUTS[key]
+
+
 def dequant_fp4(
     packed: torch.Tensor,
     scale: torch.Tensor,
@@ -325,7 +339,8 @@ def dequant_fp4(
             f"scale shape {tuple(scale.shape)} does not match packed FP4 weight shape "
             f"{tuple(packed.shape)} (= {rows}x{cols} values, 1x{block} blocks, expected {want}){_where(name)}"
         )
-    out = fp4_e2m1_to_float(unpack_fp4(packed))
+    pair = _fp4_pair_lut(packed.device)  # byte -> (value of low nibble, value of high nibble)
+    out = pair[as_uint8(packed).to(torch.int64)].reshape(rows, cols)
     s = scale_to_float(scale, name=name, validate=validate)
     _apply_col_blocks(out, s, block)
     return out if out_dtype == torch.float32 else out.to(out_dtype)

@@ -182,7 +182,8 @@ def test_fp4_all_16_codes():
         ref = s * (m * 0.5 if e == 0 else (1 + m / 2) * 2.0 ** (e - 1))
         assert v[c].item() == ref
     # ml_dtypes agrees
-    np.testing.assert_array_equal(v.numpy(), np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32))
+    ref = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    np.testing.assert_array_equal(v.numpy(), ref)
     # encoding the decoded values returns the same codes
     assert torch.equal(Q.float_to_fp4_e2m1(v), codes)
 
@@ -203,7 +204,8 @@ def test_fp4_nibble_order():
     assert d.tolist() == [[0.5, 1.0, -0.0, -6.0]]
     assert torch.equal(Q.pack_fp4(torch.tensor([[1, 2, 8, 15]]), as_dtype="uint8"), packed)
     # float4_e2m1fn_x2 input accepted
-    assert torch.equal(Q.dequant_fp4(packed.view(torch.float4_e2m1fn_x2), torch.full((1, 1), 127, dtype=torch.uint8)), d)
+    one = torch.full((1, 1), 127, dtype=torch.uint8)
+    assert torch.equal(Q.dequant_fp4(packed.view(torch.float4_e2m1fn_x2), one), d)
 
 
 @pytest.mark.parametrize("cols", [64, 96, 40])
@@ -242,3 +244,12 @@ def test_quant_fp4_roundtrip():
     assert torch.all((d - w).abs() <= sf * 1.0 + 0)
     # re-quantising reproduces the same values
     assert torch.equal(Q.dequant_fp4(*Q.quant_fp4(d)), d)
+
+
+def test_fp4_encoder_dense_sweep_vs_ml_dtypes():
+    v = torch.cat([torch.linspace(-8, 8, 40001),
+                   torch.tensor([2.0 - 2**-20, 4.0 - 2**-20, 1e-30, -1e-30, float("inf"), float("-inf")])])
+    ours = Q.fp4_e2m1_to_float(Q.float_to_fp4_e2m1(v)).numpy()
+    ref = np.clip(v.numpy(), -6, 6).astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    np.testing.assert_array_equal(ours, ref)
+    np.testing.assert_array_equal(np.signbit(ours), np.signbit(ref))

@@ -1,0 +1,409 @@
+"""``export_model``: a DeepSeek-V4 checkpoint -> ``model.onnx`` + ``model.onnx.data`` + ``dsv4_ort.json``.
+
+See the package docstring (:mod:`dsv4_ort.export`) for the graph contract, the state layout and the files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+from . import schema
+from .graph import ACT, BATCH, SEQ, DecoderGraph, GraphBuildError, Weight, input_accepts, layer_kind, make_model
+from .weights import (ONNX_DTYPE_NAMES, WEIGHT_MODES, ExternalDataWriter, WeightFormatError, convert,
+                      external_initializer, release_pages, stacked_name, tensor_role)
+
+MODEL_FILE = "model.onnx"
+DATA_FILE = "model.onnx.data"
+META_FILE = "dsv4_ort.json"
+FORMAT_VERSION = 1
+LOGITS_MODES = ("last", "all")
+DEFAULT_MAX_SEQ_LEN = 4096
+DEFAULT_MAX_BATCH = 1
+# Copied from the checkpoint directory when present.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "added_tokens.json", "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja",
+                   "chat_template.json")
+
+
+class ExportError(ValueError):
+    """Bad export arguments or an output directory that cannot be written (the message names the field/path)."""
+
+
+# ----------------------------------------------------------------------------------------------------- checks
+
+
+def ratio_multiple(config) -> int:
+    """max_seq_len must be a multiple of this: the least common multiple of the layers' compress ratios."""
+    m = 1
+    for r in config.layer_ratios:
+        if r > 0:
+            m = m * r // math.gcd(m, r)
+    return m
+
+
+def check_max_seq_len(config, max_seq_len) -> int:
+    """Validates the state capacity: a positive multiple of every compress ratio, <= max_position_embeddings.
+
+    Capacity is fixed at export (``entries`` holds ``max_seq_len // r`` compressed entries); a multiple of every
+    ratio makes each compressed cache hold exactly the entries of ``max_seq_len`` positions.
+    """
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int):
+        raise ExportError(f"max_seq_len must be an integer, got {max_seq_len!r}")
+    m = ratio_multiple(config)
+    if max_seq_len < m or max_seq_len % m:
+        ratios = sorted({r for r in config.layer_ratios if r})
+        lo = max_seq_len // m * m
+        hint = f"nearest valid values: {lo}, {lo + m}" if lo else f"smallest valid value: {m}"
+        raise ExportError(f"max_seq_len={max_seq_len} must be a positive multiple of {m} (the compress ratios "
+                          f"{ratios}); {hint}")
+    if max_seq_len > config.max_position_embeddings:
+        raise ExportError(f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings="
+                          f"{config.max_position_embeddings}")
+    return max_seq_len
+
+
+def default_max_seq_len(config) -> int:
+    m = ratio_multiple(config)
+    n = min(DEFAULT_MAX_SEQ_LEN, config.max_position_embeddings)
+    return max(m, n // m * m)
+
+
+def _param_consumer(name: str) -> tuple[str, str] | None:
+    """(op, input) consuming a small parameter, to decide whether it may stay bf16."""
+    leaf = name.split(".")
+    if name.endswith("compressor.norm.weight"):
+        return "Compressor", "norm_weight"
+    if name.endswith("compressor.ape"):
+        return "Compressor", "ape"
+    if name.endswith("kv_norm.weight"):
+        return "NormRope", "weight"
+    if name.endswith(("attn_norm.weight", "ffn_norm.weight", "q_norm.weight")) or name == "norm.weight":
+        return "RmsNorm", "weight"
+    if name.endswith("attn_sink"):
+        return "SparseAttention", "sink"
+    if name.endswith("gate.bias"):
+        return "MoeRouteTopK", "bias"
+    if leaf[-1].startswith("hc_"):
+        op = "HcHead" if leaf[-1].startswith("hc_head") else "HcPre"
+        return op, leaf[-1].rsplit("_", 1)[-1]
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------- export
+
+
+def _load_source(checkpoint_dir, preset, seed):
+    """(config, iterator of RawTensor, description dict, checkpoint dir or None)."""
+    from dsv4_ort.models.checkpoint import Checkpoint, UnsupportedModelError, random_tensors, read_config_dict
+    from dsv4_ort.models.config import DeepseekV4Config
+
+    if checkpoint_dir is None:
+        if preset is None:
+            raise ExportError("give a checkpoint directory or a preset (random weights)")
+        config = DeepseekV4Config.from_preset(preset)
+        return config, random_tensors(config, weights="native", seed=seed, raw=True), \
+            {"checkpoint": None, "preset": preset, "seed": seed, "naming": "deepseek"}, None
+    if preset is not None:
+        raise ExportError(f"give either a checkpoint directory or a preset, not both (preset={preset!r}, "
+                          f"checkpoint={os.fspath(checkpoint_dir)!r})")
+    path = os.fspath(checkpoint_dir)
+    if not os.path.isdir(path):
+        from dsv4_ort.models.checkpoint import CheckpointNotFoundError
+
+        raise CheckpointNotFoundError("checkpoint directory not found" if not os.path.exists(path)
+                                      else "checkpoint path is not a directory", file=path)
+    cfg_dict = read_config_dict(path)
+    try:
+        config = DeepseekV4Config.from_dict(cfg_dict)
+    except (TypeError, ValueError) as e:
+        raise UnsupportedModelError(f"invalid config ({e})", file=os.path.join(path, "config.json")) from None
+    ck = Checkpoint(path)
+    return config, ck.iter_raw(), {"checkpoint": os.path.abspath(path), "preset": None, "naming": ck.naming}, path
+
+
+def _check_out_dir(out_dir: Path) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ExportError(f"output path exists and is not a directory: {str(out_dir)!r}")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ExportError(f"cannot create the output directory {str(out_dir)!r} ({e.strerror or e})") from None
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise ExportError(f"output directory is not writable: {str(out_dir)!r}")
+
+
+def _write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights: str = "native",
+                 max_seq_len: int | None = None, max_batch: int = DEFAULT_MAX_BATCH, logits: str = "last",
+                 progress: bool = True, seed: int = 0, check: bool = True) -> Path:
+    """Export a DeepSeek-V4 checkpoint (or a preset with random weights) to ONNX.
+
+    Args:
+        checkpoint_dir: directory with ``config.json`` and safetensors shards (DeepSeek or transformers
+            naming), or None with ``preset`` for deterministic random weights (``seed``; the values
+            :func:`~dsv4_ort.models.checkpoint.write_random_checkpoint` writes, release formats).
+        out_dir: created if needed; receives ``model.onnx``, ``model.onnx.data``, ``dsv4_ort.json`` and the
+            tokenizer files of the checkpoint. Existing files of those names are replaced.
+        weights: ``native`` (as stored), ``bf16`` or ``fp32`` (see :mod:`dsv4_ort.export.weights`).
+        max_seq_len: state capacity in positions per row; a positive multiple of every compress ratio and at
+            most ``max_position_embeddings`` (default: min(4096, max_position_embeddings), rounded down).
+        max_batch: rows the runtime should allocate state for (recorded; the graph's batch dim is symbolic).
+        logits: ``last`` (``[batch, 1, vocab]``, the last position of each row) or ``all`` (``[batch, seq, vocab]``).
+        progress: tqdm bar over the tensors written.
+        check: run ``onnx.checker.check_model(full_check=True)`` on the graph before writing it.
+    Returns:
+        Path of ``model.onnx``.
+    Raises:
+        ExportError (a ValueError) for bad arguments / output directory; the
+        :class:`~dsv4_ort.models.checkpoint.CheckpointError` family (ValueError; FileNotFoundError for missing
+        files) for checkpoint problems, naming the tensor and file. On any failure the temporary files are
+        removed and no ``model.onnx`` from this run exists.
+    """
+    t0 = time.perf_counter()
+    if weights not in WEIGHT_MODES:
+        raise ExportError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
+    if logits not in LOGITS_MODES:
+        raise ExportError(f"logits must be one of {LOGITS_MODES}, got {logits!r}")
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise ExportError(f"max_batch must be a positive integer, got {max_batch!r}")
+    out_dir = Path(out_dir)
+    config, source, origin, ck_dir = _load_source(checkpoint_dir, preset, seed)
+    max_seq_len = default_max_seq_len(config) if max_seq_len is None else check_max_seq_len(config, max_seq_len)
+    _check_out_dir(out_dir)
+
+    tag = f".tmp-{os.getpid()}"
+    tmp_data = out_dir / (DATA_FILE + tag)
+    tmp_model = out_dir / (MODEL_FILE + tag)
+    tmp_meta = out_dir / (META_FILE + tag)
+    temps = [tmp_data, tmp_model, tmp_meta]
+    writer = None
+    try:
+        try:
+            writer = ExternalDataWriter(tmp_data)
+        except OSError as e:
+            raise ExportError(f"cannot write in the output directory {str(out_dir)!r} ({e.strerror or e})") from None
+        written, formats = _stream_weights(config, source, writer, weights, progress, ck_dir)
+        writer.close()
+        t_weights = time.perf_counter() - t0
+
+        dg = DecoderGraph(config, written, max_seq_len=max_seq_len, logits=logits)
+        g = dg.build()
+        for name in sorted({n for n in g.types} & set(writer.entries())):
+            g.initializers.append(external_initializer(writer.entries()[name], tmp_data.name))
+        unused = sorted(set(writer.entries()) - {t.name for t in g.initializers})
+        if unused:
+            raise GraphBuildError(f"checkpoint tensors not used by the graph: {unused[:5]}")
+
+        tok_files = [f for f in TOKENIZER_FILES if ck_dir is not None and os.path.isfile(os.path.join(ck_dir, f))]
+        meta = _metadata(config, dg, g, origin, weights, formats, max_seq_len, max_batch, logits, tok_files)
+        meta["export"] = {"seconds": round(time.perf_counter() - t0, 3), "weights_seconds": round(t_weights, 3),
+                          "data_bytes": writer.end}
+        model = make_model(g, {"dsv4_ort.json": json.dumps(meta, sort_keys=True),
+                               "dsv4_ort.format_version": FORMAT_VERSION, "dsv4_ort.max_seq_len": max_seq_len,
+                               "dsv4_ort.max_batch": max_batch, "dsv4_ort.logits": logits,
+                               "dsv4_ort.weights": weights, "dsv4_ort.op_table_version": schema.TABLE_VERSION,
+                               "dsv4_ort.ort_api_version": schema.ORT_API_VERSION},
+                           doc="DeepSeek-V4 decoder exported by dsv4-ort; see dsv4_ort.json")
+        if check:  # by path, before anything is published: the checker resolves the external data file
+            import onnx
+
+            _write(tmp_model, model.SerializeToString())
+            schema.register_onnx_schemas()
+            onnx.checker.check_model(str(tmp_model), full_check=True)
+        for t in model.graph.initializer:
+            for kv in t.external_data:
+                if kv.key == "location":
+                    kv.value = DATA_FILE
+        _write(tmp_model, model.SerializeToString())
+        _write(tmp_meta, (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
+
+        # Publish: drop the old model first so an old graph never pairs with new data; the graph comes last.
+        final_model = out_dir / MODEL_FILE
+        for old in (final_model, out_dir / META_FILE):
+            if old.exists() or old.is_symlink():
+                old.unlink()
+        os.replace(tmp_data, out_dir / DATA_FILE)
+        for name in tok_files:
+            shutil.copyfile(os.path.join(ck_dir, name), out_dir / name)
+        os.replace(tmp_meta, out_dir / META_FILE)
+        os.replace(tmp_model, final_model)
+        _fsync_dir(out_dir)
+        return final_model
+    except BaseException:
+        if writer is not None:
+            writer.close(sync=False)
+        for p in temps:
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                pass
+        raise
+
+
+def _stream_weights(config, source, writer: ExternalDataWriter, mode: str, progress: bool, ck_dir):
+    """Reads every checkpoint tensor once, converts it and writes it. Returns (name -> Weight, format summary)."""
+    from dsv4_ort.models.checkpoint import (CheckpointError, MissingTensorError, ShapeMismatchError,
+                                            UnexpectedTensorError, deepseek_tensor_specs)
+
+    specs = deepseek_tensor_specs(config)
+    expected = {s.name: s for s in specs if not s.name.startswith("mtp.")}
+    E = config.n_routed_experts
+    seen: set = set()
+    written: dict[str, Weight] = {}
+    formats: dict[str, set] = {}
+    where = ck_dir if ck_dir is not None else "<random weights>"
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover
+        tqdm = None
+    bar = tqdm(total=len(specs), unit="tensor", desc="export", disable=not progress, dynamic_ncols=True) \
+        if tqdm is not None else None
+    try:
+        for rt in source:
+            if bar is not None:
+                bar.update(1)
+                if bar.n % 32 == 0:
+                    bar.set_postfix_str(f"{writer.bytes_written / 2**30:.2f} GiB", refresh=False)
+            name = rt.name
+            if name.startswith("mtp."):
+                continue  # multi-token prediction is not exported
+            spec = expected.get(name)
+            if spec is None:
+                raise UnexpectedTensorError("tensor is not part of this model's configuration", tensor=name,
+                                            file=rt.file or where)
+            if name in seen:
+                raise UnexpectedTensorError("tensor appears twice", tensor=name, file=rt.file or where)
+            if tuple(rt.shape) != tuple(spec.shape):
+                raise ShapeMismatchError(f"shape {tuple(rt.shape)} in the checkpoint, {tuple(spec.shape)} expected "
+                                         f"from config.json", tensor=name, file=rt.file or where)
+            seen.add(name)
+            keep_bf16 = False
+            if tensor_role(name) == "param":
+                cons = _param_consumer(name)
+                keep_bf16 = cons is not None and input_accepts(cons[0], cons[1], "bfloat16")
+            st = stacked_name(name)
+            out_name = st[0] if st else name
+            try:
+                conv = convert(rt, out_name, mode, keep_bf16_param=keep_bf16)
+            except (WeightFormatError, CheckpointError):
+                raise
+            except ValueError as e:  # codec errors (NaN encodings, bad scale shapes)
+                from dsv4_ort.models.checkpoint import CorruptCheckpointError
+
+                raise CorruptCheckpointError(str(e), tensor=name, file=rt.file or where) from None
+            src = f"{name} ({rt.file or where})"
+            shared = ".shared_experts." in name
+            if shared:  # the shared expert is a one-expert stack
+                conv.weight.dims = (1, *conv.weight.dims)
+                if conv.scale is not None:
+                    conv.scale.dims = (1, *conv.scale.dims)
+            if st is not None:
+                writer.add_part(conv.weight, st[1], E, source=src)
+                if conv.scale is not None:
+                    writer.add_part(conv.scale, st[1], E, source=src)
+            else:
+                writer.add(conv.weight, source=src)
+                if conv.scale is not None:
+                    writer.add(conv.scale, source=src)
+            ent = writer.entries()[out_name]
+            w = Weight(out_name, ent.dtype, ent.dims, conv.fmt, conv.scale.name if conv.scale else None, conv.block)
+            prev = written.get(out_name)
+            if prev is not None and (prev.fmt, prev.block) != (w.fmt, w.block):
+                raise WeightFormatError(f"expert tensors of one layer differ in format ({prev.fmt} vs {w.fmt}) | "
+                                        f"tensor {name!r} | file {rt.file or where!r}")
+            written[out_name] = w
+            if conv.scale is not None:
+                sent = writer.entries()[conv.scale.name]
+                written[conv.scale.name] = Weight(conv.scale.name, sent.dtype, sent.dims, "scale")
+            formats.setdefault(_category(name), set()).add(conv.fmt)
+            if rt.data.is_contiguous():
+                release_pages(rt.data)  # written and never read again
+            del rt, conv
+    finally:
+        if bar is not None:
+            bar.close()
+    missing = [n for n in expected if n not in seen]
+    if missing:
+        more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise MissingTensorError(f"model tensor not found in the checkpoint{more}", tensor=missing[0], file=where)
+    for name, idx in writer.incomplete():  # cannot happen when every expected tensor was seen; kept as a guard
+        raise MissingTensorError(f"experts {idx} missing", tensor=name, file=where)
+    return written, {k: sorted(v) for k, v in sorted(formats.items())}
+
+
+def _category(name: str) -> str:
+    if name in ("embed.weight", "head.weight"):
+        return name.split(".")[0]
+    if ".ffn.experts." in name:
+        return "routed_experts"
+    if ".shared_experts." in name:
+        return "shared_experts"
+    role = tensor_role(name)
+    if role == "matrix":
+        if ".compressor." in name or "weights_proj" in name or "gate.weight" in name:
+            return "aux_linears"
+        return "linears"
+    return "index" if role == "index" else "params"
+
+
+def _type_name(elem: int) -> str:
+    return ONNX_DTYPE_NAMES.get(elem, str(elem))
+
+
+def _metadata(config, dg: DecoderGraph, g, origin, mode, formats, max_seq_len, max_batch, logits, tok_files) -> dict:
+    import dsv4_ort
+
+    def io(vi):
+        t = vi.type.tensor_type
+        return {"name": vi.name, "dtype": _type_name(t.elem_type),
+                "shape": [d.dim_param if d.dim_param else d.dim_value for d in t.shape.dim]}
+
+    layers = []
+    for layer, r in enumerate(config.layer_ratios):
+        layers.append({"layer": layer, "ratio": r, "kind": layer_kind(r),
+                       "state": [s.name for s in dg.state if s.layer == layer]})
+    state = [{"layer": s.layer, "name": s.name, "input": s.input_name, "output": s.output_name,
+              "shape": list(s.shape), "dtype": _type_name(s.elem)} for s in dg.state]
+    return {
+        "format": "dsv4-ort", "format_version": FORMAT_VERSION, "exporter_version": dsv4_ort.__version__,
+        "domain": schema.DOMAIN, "opset": {"": 21, schema.DOMAIN: 1},
+        "op_table_version": schema.TABLE_VERSION, "ort_api_version": schema.ORT_API_VERSION,
+        "config": config.to_dict(),
+        "max_seq_len": max_seq_len, "max_batch": max_batch, "logits": logits,
+        "activation_dtype": _type_name(ACT),
+        "weights": {"mode": mode, "formats": formats, "data_file": DATA_FILE},
+        "inputs": [io(v) for v in g.inputs], "outputs": [io(v) for v in g.outputs],
+        "dims": {BATCH: "rows of the batch", SEQ: "new tokens per row (prefill chunk or 1 for decode)"},
+        "state": {"batch_dim": BATCH, "initial_value": 0.0, "layers": layers, "tensors": state,
+                  "note": "bind one buffer per tensor as both past.L.name and present.L.name; zero-initialised "
+                          "buffers are valid for any row at start_pos 0 (stale contents are never read)"},
+        "tokenizer": {"present": bool(tok_files), "files": list(tok_files)},
+        "mtp": {"exported": False, "layers": config.num_nextn_predict_layers},
+        "source": origin,
+    }
