@@ -47,3 +47,7 @@ def pytest_report_header(config):
 def isa(request):
     """Every ISA level this CPU supports (scalar, avx2, avx512, amx ...)."""
     return request.param
+
+
+# Session-wide cache of random checkpoints, exports and reference models (tests/model_fixtures.py).
+from model_fixtures import cache  # noqa: E402,F401

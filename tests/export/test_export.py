@@ -12,7 +12,7 @@ import textwrap
 import numpy as np
 import onnx
 import pytest
-from export_helpers import REL_TOL, cache, config, random_ids, reference_logits, rel_err, require_library  # noqa: F401
+from model_fixtures import REL_TOL, config, random_ids, reference_logits, rel_err, require_library
 
 from dsv4_ort.export import schema
 

@@ -10,7 +10,7 @@ import os
 import shutil
 
 import pytest
-from export_helpers import cache, config  # noqa: F401
+from model_fixtures import config
 
 from dsv4_ort.export import ExportError, export_model
 from dsv4_ort.export import cli as export_cli

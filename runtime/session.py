@@ -1,0 +1,234 @@
+"""``Session``: an exported DeepSeek-V4 model in an onnxruntime InferenceSession with the dsv4-ort library.
+
+The session registers the custom-op library itself, checks that the model's op-table version is one the library
+implements, binds every state buffer in place (see :mod:`.state`) and runs prefill (any number of tokens, optionally
+in chunks) and decode (one token per row) through the same graph.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from .sampling import sample
+from .state import State
+
+META_FILE = "dsv4_ort.json"
+MODEL_FILE = "model.onnx"
+
+
+class ModelError(ValueError):
+    """The model directory is missing, incomplete or not usable with this library."""
+
+
+def physical_cores() -> int:
+    """Cores available to this process, counting SMT siblings once."""
+    try:
+        cpus = os.sched_getaffinity(0)
+    except AttributeError:
+        return os.cpu_count() or 1
+    cores = set()
+    for cpu in cpus:
+        path = f"/sys/devices/system/cpu/cpu{cpu}/topology/core_cpus_list"
+        try:
+            with open(path) as f:
+                cores.add(f.read().strip())
+        except OSError:
+            cores.add(str(cpu))
+    return max(1, len(cores))
+
+
+def read_metadata(model_dir: str | os.PathLike) -> dict:
+    d = Path(model_dir)
+    if not d.is_dir():
+        raise ModelError(f"model directory {str(d)!r} does not exist")
+    meta_path, model_path = d / META_FILE, d / MODEL_FILE
+    if not model_path.is_file() or not meta_path.is_file():
+        raise ModelError(f"{str(d)!r} is not an exported dsv4-ort model (needs {MODEL_FILE} and {META_FILE}; "
+                         "create one with `dsv4-ort export`)")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except ValueError as e:
+        raise ModelError(f"{meta_path} is corrupt: {e}") from None
+    if meta.get("format") != "dsv4-ort":
+        raise ModelError(f"{meta_path} does not describe a dsv4-ort model")
+    return meta
+
+
+class Session:
+    """An exported model ready to run.
+
+    Args:
+        model_dir: directory written by ``dsv4-ort export`` (model.onnx, model.onnx.data, dsv4_ort.json).
+        intra_op_threads: onnxruntime intra-op threads (default: physical cores).
+        isa: cap the kernels' ISA level ("scalar", "avx2", "avx512", "amx"); default: the best the CPU has.
+        prefill_chunk: split prompts longer than this into chunks (default: no split).
+    """
+
+    def __init__(self, model_dir: str | os.PathLike, *, intra_op_threads: int | None = None, isa: str | None = None,
+                 prefill_chunk: int | None = None):
+        import onnxruntime as ort
+
+        import dsv4_ort
+        from dsv4_ort.export import schema
+
+        self.model_dir = Path(model_dir)
+        self.meta = read_metadata(model_dir)
+        info = dsv4_ort.library_info(isa)
+        if self.meta.get("domain") != info["domain"]:
+            raise ModelError(f"model uses op domain {self.meta.get('domain')!r}; this library implements "
+                             f"{info['domain']!r}")
+        need, have = int(self.meta.get("op_table_version", -1)), int(info["op_table_version"])
+        if need > have:
+            raise ModelError(f"model was exported for op table v{need} but this dsv4-ort library implements v{have}; "
+                             "upgrade dsv4-ort (or re-export the model with this version)")
+        if have != schema.TABLE_VERSION:
+            raise ModelError(f"the installed library (op table v{have}) does not match the Python package "
+                             f"(v{schema.TABLE_VERSION}); reinstall dsv4-ort")
+        self.isa = info["isa"]
+        self.config = self.meta["config"]
+        self.vocab_size = int(self.config["vocab_size"])
+        self.max_seq_len = int(self.meta["max_seq_len"])
+        self.logits_mode = self.meta.get("logits", "all")
+        self.prefill_chunk = prefill_chunk
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = int(intra_op_threads or physical_cores())
+        so.log_severity_level = 3
+        with dsv4_ort.isa_cap(isa):
+            dsv4_ort.register(so)
+            try:
+                self.session = ort.InferenceSession(str(self.model_dir / MODEL_FILE), so,
+                                                    providers=["CPUExecutionProvider"])
+            except Exception as e:
+                raise ModelError(f"cannot load {self.model_dir / MODEL_FILE}: {str(e).strip().splitlines()[-1]}") \
+                    from None
+        self.threads = so.intra_op_num_threads
+        self.tokenizer = None
+        tok = self.model_dir / "tokenizer.json"
+        if tok.is_file():
+            try:
+                from tokenizers import Tokenizer
+
+                self.tokenizer = Tokenizer.from_file(str(tok))
+            except ImportError:  # text I/O is optional; ids always work
+                self.tokenizer = None
+
+    # ---- state and forward ---------------------------------------------------------------------------------------
+
+    def new_state(self, batch_size: int = 1) -> State:
+        """Fresh, zeroed state for ``batch_size`` sequences; reuse it across calls to continue them."""
+        return State(self.meta, batch_size)
+
+    def _run(self, ids: np.ndarray, state: State) -> np.ndarray:
+        import onnxruntime as ort
+
+        B, S = ids.shape
+        io = self.session.io_binding()
+        io.bind_ortvalue_input("input_ids", ort.OrtValue.ortvalue_from_numpy(ids))
+        io.bind_ortvalue_input("start_pos", ort.OrtValue.ortvalue_from_numpy(state.positions.copy()))
+        for in_name, out_name, _, value in state.tensors:
+            io.bind_ortvalue_input(in_name, value)
+            io.bind_ortvalue_output(out_name, value)
+        logits = np.empty((B, S if self.logits_mode == "all" else 1, self.vocab_size), np.float32)
+        io.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
+        self.session.run_with_iobinding(io)
+        state.positions += S
+        return logits
+
+    def forward(self, input_ids, state: State, *, chunk_size: int | None = None) -> np.ndarray:
+        """Runs ``input_ids`` [B, S] (int64) from each row's current position; returns float32 logits
+        [B, S, V] (or [B, 1, V] for a model exported with last-position logits) and advances the state."""
+        ids = np.ascontiguousarray(np.asarray(input_ids, dtype=np.int64))
+        if ids.ndim != 2 or ids.shape[1] < 1:
+            raise ValueError(f"input_ids must be [batch, seq] with seq >= 1, got shape {ids.shape}")
+        if ids.shape[0] != state.batch_size:
+            raise ValueError(f"input_ids has {ids.shape[0]} rows but the state holds {state.batch_size}")
+        bad = (ids < 0) | (ids >= self.vocab_size)
+        if bad.any():
+            b, s = map(int, np.argwhere(bad)[0])
+            raise ValueError(f"input_ids[{b}, {s}]={int(ids[b, s])} is outside the vocabulary [0, {self.vocab_size})")
+        end = int(state.positions.max()) + ids.shape[1]
+        if end > self.max_seq_len:
+            raise ValueError(f"sequence would reach position {end} but the model's capacity is {self.max_seq_len} "
+                             "tokens (re-export with a larger --max-seq-len)")
+        chunk = chunk_size or self.prefill_chunk or ids.shape[1]
+        outs = [self._run(np.ascontiguousarray(ids[:, i:i + chunk]), state) for i in range(0, ids.shape[1], chunk)]
+        if self.logits_mode == "all":
+            return outs[0] if len(outs) == 1 else np.concatenate(outs, axis=1)
+        return outs[-1]
+
+    # ---- generation ----------------------------------------------------------------------------------------------
+
+    def stream(self, prompt_ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
+               top_k: int = 0, seed: int | None = None, stop_ids: Sequence[int] | None = None,
+               state: State | None = None, stats: dict | None = None) -> Iterator[int]:
+        """Yields up to ``max_new_tokens`` new token ids for one prompt (stops after a stop id, which is yielded)."""
+        prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(1, -1)
+        if prompt.shape[1] == 0:
+            raise ValueError("the prompt is empty")
+        if prompt.shape[1] + max_new_tokens > self.max_seq_len:
+            raise ValueError(f"prompt ({prompt.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+                             f"capacity of {self.max_seq_len} tokens")
+        state = state or self.new_state(1)
+        rng = np.random.default_rng(seed)
+        stops = set(stop_ids or ())
+        t0 = time.perf_counter()
+        logits = self.forward(prompt, state)[:, -1]
+        t1 = time.perf_counter()
+        if stats is not None:
+            stats.update(prefill_tokens=prompt.shape[1], prefill_s=t1 - t0, decode_tokens=0, decode_s=0.0)
+        for i in range(max_new_tokens):
+            tok = int(sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, rng=rng)[0])
+            yield tok
+            if tok in stops or i == max_new_tokens - 1:
+                return
+            t = time.perf_counter()
+            logits = self.forward(np.array([[tok]], np.int64), state)[:, -1]
+            if stats is not None:
+                stats["decode_tokens"] += 1
+                stats["decode_s"] += time.perf_counter() - t
+
+    def generate(self, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, seed: int | None = None, stop_ids: Sequence[int] | None = None) -> list:
+        """New token ids for one prompt (list of ints) or a batch of equal-length prompts (list of lists)."""
+        arr = np.asarray(prompt_ids, dtype=np.int64)
+        if arr.ndim == 1:
+            return list(self.stream(arr, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                    seed=seed, stop_ids=stop_ids))
+        if arr.ndim != 2:
+            raise ValueError(f"prompt_ids must be 1-D or 2-D, got shape {arr.shape}")
+        B = arr.shape[0]
+        state = self.new_state(B)
+        rng = np.random.default_rng(seed)
+        stops = set(stop_ids or ())
+        out = [[] for _ in range(B)]
+        done = np.zeros(B, bool)
+        logits = self.forward(arr, state)[:, -1]
+        for step in range(max_new_tokens):
+            toks = sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, rng=rng)
+            for b in range(B):
+                if not done[b]:
+                    out[b].append(int(toks[b]))
+                    done[b] = int(toks[b]) in stops
+            if done.all() or step == max_new_tokens - 1:
+                break
+            logits = self.forward(toks.reshape(B, 1), state)[:, -1]
+        return out
+
+    # ---- text ----------------------------------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list:
+        if self.tokenizer is None:
+            raise ModelError(f"{self.model_dir} has no tokenizer.json (or the tokenizers package is missing); "
+                             "pass token ids instead")
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(str(i) for i in ids)
+        return self.tokenizer.decode(list(ids))

@@ -1,0 +1,60 @@
+"""Per-sequence state of an exported model: fixed-capacity buffers that stay in place.
+
+Every state tensor listed in the model's ``dsv4_ort.json`` gets one buffer, allocated once per :class:`State` and
+bound through IOBinding as both the ``past.L.name`` input and the ``present.L.name`` output, so the custom ops
+write only the new slots (window ring entries, compressed entries, compressor rows) in place. Buffers start at
+zero, which the ops treat as an empty sequence; ``positions`` holds each row's next absolute position.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# ONNX element type name -> (numpy storage dtype, ONNX TensorProto code)
+STORAGE = {
+    "float": (np.float32, 1),
+    "float32": (np.float32, 1),
+    "bfloat16": (np.uint16, 16),
+    "float16": (np.float16, 10),
+    "float8e4m3fn": (np.uint8, 17),
+    "uint8": (np.uint8, 2),
+    "int64": (np.int64, 7),
+}
+
+
+class State:
+    """The state of ``batch_size`` sequences for one session (see :meth:`Session.new_state`)."""
+
+    def __init__(self, meta: dict, batch_size: int):
+        import onnxruntime as ort
+
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.batch_size = batch_size
+        self.max_seq_len = int(meta["max_seq_len"])
+        self.positions = np.zeros(batch_size, np.int64)
+        batch_dim = meta["state"]["batch_dim"]
+        self.tensors = []  # (input name, output name, numpy buffer, OrtValue)
+        for t in meta["state"]["tensors"]:
+            if t["dtype"] not in STORAGE:
+                raise ValueError(f"state tensor {t['input']} has unsupported dtype {t['dtype']}")
+            np_dtype, onnx_type = STORAGE[t["dtype"]]
+            shape = [batch_size if d == batch_dim else int(d) for d in t["shape"]]
+            buf = np.zeros(shape, np_dtype)
+            value = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(buf, onnx_type)
+            self.tensors.append((t["input"], t["output"], buf, value))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buf.nbytes for _, _, buf, _ in self.tensors)
+
+    def reset(self) -> None:
+        """Starts every row afresh (buffers are kept; stale contents are never read at position 0)."""
+        self.positions[:] = 0
+
+    def buffer(self, name: str) -> np.ndarray:
+        """The numpy view of a state tensor (by its past/present name or its short ``L.name``)."""
+        for i, o, buf, _ in self.tensors:
+            if name in (i, o, i.removeprefix("past.")):
+                return buf
+        raise KeyError(name)
