@@ -43,6 +43,18 @@ def pytest_report_header(config):
         return [f"dsv4_ort library unavailable: {e}"]
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """The reference runs tiny tensors: extra torch threads only add synchronisation, which costs 10-100x on a
+    2-core machine that onnxruntime's own pool is also using."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(params=available_isa_levels() if os.environ.get("DSV4_ORT_SKIP_LIBRARY") is None else [])
 def isa(request):
     """Every ISA level this CPU supports (scalar, avx2, avx512, amx ...)."""
