@@ -2,37 +2,10 @@
 
 from __future__ import annotations
 
-import functools
 import os
 
-import numpy as np
 import pytest
-
-# One tolerance table for the whole suite (see README "Testing"). Indices (top-k, routing) are compared exactly,
-# on inputs built to be tie-free.
-TOLERANCES = {
-    "float32": dict(rtol=1e-5, atol=1e-5),
-    "float32_reduction": dict(rtol=1e-4, atol=1e-5),  # long reductions / iterative normalisation (Sinkhorn)
-    "bfloat16": dict(rtol=1.6e-2, atol=1e-2),
-}
-
-
-def tol(kind: str) -> dict:
-    return TOLERANCES[kind]
-
-
-@functools.lru_cache(maxsize=None)
-def library_info(isa: str | None = None) -> dict:
-    import dsv4_ort
-
-    return dsv4_ort.library_info(isa)
-
-
-def available_isa_levels() -> list:
-    import dsv4_ort
-
-    top = library_info()["isa_max"]
-    return list(dsv4_ort.ISA_LEVELS[: dsv4_ort.ISA_LEVELS.index(top) + 1])
+from testutil import available_isa_levels, library_info
 
 
 def pytest_report_header(config):

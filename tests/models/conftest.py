@@ -1,9 +1,9 @@
 """Fixtures for the reference-model tests: small configs and randomly initialised models."""
 
 import pytest
-import torch
+from reference_helpers import make_model
 
-from dsv4_ort.models import DeepseekV4Config, DeepseekV4ForCausalLM
+from dsv4_ort.models import DeepseekV4Config
 
 
 @pytest.fixture(scope="session")
@@ -16,12 +16,6 @@ def tiny_config() -> DeepseekV4Config:
 def fast_config(tiny_config) -> DeepseekV4Config:
     """`tiny` with a generic HCA ratio of 16 and one more HCA layer, so short sequences emit entries."""
     return tiny_config.replace(num_hidden_layers=5, compress_ratios=[4, 0, 16, 4, 16, 0], num_hash_layers=1)
-
-
-def make_model(config: DeepseekV4Config, seed: int = 0, dtype=torch.float32) -> DeepseekV4ForCausalLM:
-    model = DeepseekV4ForCausalLM(config, dtype=dtype)
-    model.init_weights(torch.Generator().manual_seed(seed))
-    return model.eval()
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from conftest import selection_margin
+from reference_helpers import selection_margin
 
 from dsv4_ort.models import DeepseekV4Config, DeepseekV4ForCausalLM
 from dsv4_ort.models import functional as Fn

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import make_model, selection_margin
+from reference_helpers import make_model, selection_margin
 
 from dsv4_ort.models import DeepseekV4ForCausalLM, DeepseekV4State, LayerState
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from onnx_helpers import bf16, bf16_to_f32, run_op, session_error
 
-from conftest import tol
+from testutil import tol
 from dsv4_ort.models import functional as F
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import dsv4_ort
-from conftest import available_isa_levels, library_info
+from testutil import available_isa_levels, library_info
 
 ROOT = Path(__file__).resolve().parents[3]
 

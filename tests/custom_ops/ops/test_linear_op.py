@@ -7,7 +7,7 @@ import torch
 from onnx_helpers import bf16, bf16_to_f32, fp8_e4m3, run_op, session_error
 from weight_formats import FORMATS, SUFFIX, make_weight
 
-from conftest import tol
+from testutil import tol
 from dsv4_ort.models import functional as F
 from dsv4_ort.models import quant
 

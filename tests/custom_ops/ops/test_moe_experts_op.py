@@ -7,7 +7,7 @@ import torch
 from onnx_helpers import bf16, bf16_to_f32, run_op, session_error
 from weight_formats import FORMATS, SUFFIX, make_stacked
 
-from conftest import tol
+from testutil import tol
 from dsv4_ort.models import functional as F
 
 

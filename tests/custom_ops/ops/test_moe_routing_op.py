@@ -5,7 +5,7 @@ import pytest
 import torch
 from onnx_helpers import run_op, session_error
 
-from conftest import tol
+from testutil import tol
 from dsv4_ort.models import functional as F
 
 SCORINGS = ["sqrtsoftplus", "softmax", "sigmoid"]

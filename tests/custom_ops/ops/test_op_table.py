@@ -8,7 +8,7 @@ from onnx import TensorProto, helper
 from onnx_helpers import one_node_model
 
 import dsv4_ort
-from conftest import library_info
+from testutil import library_info
 from dsv4_ort.export import schema
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from onnx_helpers import bf16, bf16_to_f32, run_op, run_op_inplace, session_error
 
-from conftest import tol
+from testutil import tol
 from dsv4_ort.models import functional as F
 
 H, D, RD, N_WIN = 3, 24, 8, 8
