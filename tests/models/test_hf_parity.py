@@ -10,14 +10,13 @@ import time
 
 import pytest
 import torch
+import transformers
 from reference_helpers import selection_margin
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as H
 
 from dsv4_ort.models import DeepseekV4Config, DeepseekV4ForCausalLM
 from dsv4_ort.models import functional as Fn
 from dsv4_ort.models.checkpoint import hf_state_dict_to_deepseek
-
-transformers = pytest.importorskip("transformers")
-from transformers.models.deepseek_v4 import modeling_deepseek_v4 as H  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
