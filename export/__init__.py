@@ -53,8 +53,9 @@ Not exported: the MTP block(s) (speculative decoding is later work); their check
 Activations and state are float32; bf16 / FP8 / FP4 weights are consumed directly by the custom ops.
 """
 
-# The exporter needs torch and onnx (the ``export`` extra); ``dsv4_ort.export.schema`` must stay importable with
-# onnxruntime + numpy alone, so the exporter's names are imported on first use.
+# The exporter needs onnx, plus torch to read checkpoints (a preset export with random weights needs only numpy and
+# onnx); ``dsv4_ort.export.schema`` must stay importable with onnxruntime + numpy alone, so the exporter's names
+# are imported on first use.
 _LAZY = {
     "export_model": "exporter", "ExportError": "exporter", "LOGITS_MODES": "exporter", "MODEL_FILE": "exporter",
     "DATA_FILE": "exporter", "META_FILE": "exporter", "DEFAULT_MAX_SEQ_LEN": "exporter",

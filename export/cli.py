@@ -63,7 +63,7 @@ def run(args) -> int:
     checkpoint, out_dir = (None, paths[0]) if args.preset is not None else (paths[0], paths[1])
     try:
         from dsv4_ort.export import export_model
-        from dsv4_ort.models.checkpoint import CheckpointError
+        from dsv4_ort.models.errors import CheckpointError
 
         t0 = time.perf_counter()
         path = export_model(checkpoint, out_dir, preset=args.preset, weights=args.weights,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import shutil
 import time
@@ -98,16 +99,24 @@ def _param_consumer(name: str) -> tuple[str, str] | None:
 
 
 def _load_source(checkpoint_dir, preset, seed):
-    """(config, iterator of RawTensor, description dict, checkpoint dir or None)."""
-    from dsv4_ort.models.checkpoint import Checkpoint, UnsupportedModelError, random_tensors, read_config_dict
+    """(config, iterator of RawTensor / ArrayTensor, description dict, checkpoint dir or None).
+
+    A preset's random weights come from :mod:`dsv4_ort.models.synthetic` (numpy): no torch needed.
+    """
     from dsv4_ort.models.config import DeepseekV4Config
 
     if checkpoint_dir is None:
+        from dsv4_ort.models.synthetic import random_arrays
+
         if preset is None:
             raise ExportError("give a checkpoint directory or a preset (random weights)")
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise ExportError(f"seed must be an integer, got {seed!r}")
         config = DeepseekV4Config.from_preset(preset)
-        return config, random_tensors(config, weights="native", seed=seed, raw=True), \
-            {"checkpoint": None, "preset": preset, "seed": seed, "naming": "deepseek"}, None
+        return config, random_arrays(config, weights="native", seed=int(seed)), \
+            {"checkpoint": None, "preset": preset, "seed": int(seed), "naming": "deepseek"}, None
+    from dsv4_ort.models.checkpoint import Checkpoint, UnsupportedModelError, read_config_dict
+
     if preset is not None:
         raise ExportError(f"give either a checkpoint directory or a preset, not both (preset={preset!r}, "
                           f"checkpoint={os.fspath(checkpoint_dir)!r})")
@@ -165,7 +174,9 @@ def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights:
     Args:
         checkpoint_dir: directory with ``config.json`` and safetensors shards (DeepSeek or transformers
             naming), or None with ``preset`` for deterministic random weights (``seed``; the values
-            :func:`~dsv4_ort.models.checkpoint.write_random_checkpoint` writes, release formats).
+            :func:`~dsv4_ort.models.checkpoint.write_random_checkpoint` writes, release formats). A preset
+            export needs only numpy and onnx (the weights come from :mod:`dsv4_ort.models.synthetic`);
+            reading a checkpoint needs torch.
         out_dir: created if needed; receives ``model.onnx``, ``model.onnx.data``, ``dsv4_ort.json`` and the
             tokenizer files of the checkpoint. Existing files of those names are replaced.
         weights: ``native`` (as stored), ``bf16`` or ``fp32`` (see :mod:`dsv4_ort.export.weights`).
@@ -268,8 +279,8 @@ def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights:
 
 def _stream_weights(config, source, writer: ExternalDataWriter, mode: str, progress: bool, ck_dir):
     """Reads every checkpoint tensor once, converts it and writes it. Returns (name -> Weight, format summary)."""
-    from dsv4_ort.models.checkpoint import (CheckpointError, MissingTensorError, ShapeMismatchError,
-                                            UnexpectedTensorError, deepseek_tensor_specs)
+    from dsv4_ort.models.errors import CheckpointError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
+    from dsv4_ort.models.inventory import deepseek_tensor_specs
 
     specs = deepseek_tensor_specs(config)
     expected = {s.name: s for s in specs if not s.name.startswith("mtp.")}
@@ -314,7 +325,7 @@ def _stream_weights(config, source, writer: ExternalDataWriter, mode: str, progr
             except (WeightFormatError, CheckpointError):
                 raise
             except ValueError as e:  # codec errors (NaN encodings, bad scale shapes)
-                from dsv4_ort.models.checkpoint import CorruptCheckpointError
+                from dsv4_ort.models.errors import CorruptCheckpointError
 
                 raise CorruptCheckpointError(str(e), tensor=name, file=rt.file or where) from None
             src = f"{name} ({rt.file or where})"
@@ -342,8 +353,7 @@ def _stream_weights(config, source, writer: ExternalDataWriter, mode: str, progr
                 sent = writer.entries()[conv.scale.name]
                 written[conv.scale.name] = Weight(conv.scale.name, sent.dtype, sent.dims, "scale")
             formats.setdefault(_category(name), set()).add(conv.fmt)
-            if rt.data.is_contiguous():
-                release_pages(rt.data)  # written and never read again
+            release_pages(rt.data)  # written and never read again
             del rt, conv
     finally:
         if bar is not None:

@@ -476,9 +476,10 @@ class DecoderGraph:
 
 
 def _rope_table(config, compressed: bool) -> np.ndarray:
-    from dsv4_ort.models import functional as Fn
+    """The reference model's table (:func:`dsv4_ort.models.functional.rope_freqs` returns the same values)."""
+    from dsv4_ort.models.rope import inv_freq
 
-    return Fn.rope_freqs(config, compressed=compressed).numpy().astype(np.float32)
+    return inv_freq(config, compressed=compressed)
 
 
 def make_model(g: GraphBuilder, metadata: dict, doc: str = "") -> "object":

@@ -19,6 +19,10 @@ Weight modes (``--weights``):
 Small parameters (norm weights, mHC mixing tensors, sinks, ape, gate bias) are written ``FLOAT`` unless the op
 consuming them accepts ``BFLOAT16`` and they are stored bf16 (see :func:`param_dtype`); ``tid2eid`` keeps its
 integer type. float16 tensors (not used by DeepSeek, accepted anyway) become ``FLOAT``.
+
+Sources: checkpoint tensors arrive as :class:`~dsv4_ort.models.checkpoint.RawTensor` (torch tensors); the random
+preset weights as :class:`~dsv4_ort.models.synthetic.ArrayTensor` (numpy arrays), which are converted with numpy
+alone, so a preset export needs neither torch nor safetensors.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import os
 import re
 import sys
 
-import torch
+import numpy as np
 from onnx import TensorProto
 
 # File offsets of all tensors are multiples of this: onnxruntime memory-maps external data whose offset is
@@ -46,7 +50,6 @@ ONNX_DTYPE_NAMES = {
 _ITEMSIZE = {TensorProto.FLOAT: 4, TensorProto.BFLOAT16: 2, TensorProto.FLOAT8E4M3FN: 1, TensorProto.UINT8: 1,
              TensorProto.INT64: 8, TensorProto.INT32: 4}
 
-_E8M0 = getattr(torch, "float8_e8m0fnu", None)
 _EXPERT_RE = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
 _SHARED_RE = re.compile(r"^layers\.(\d+)\.ffn\.shared_experts\.(w[123])\.weight$")
 
@@ -89,12 +92,12 @@ def scale_initializer_name(weight_name: str) -> str:
 
 @dataclasses.dataclass
 class Piece:
-    """One converted tensor to write: initializer name, ONNX element type, dims and the bytes (a torch tensor)."""
+    """One converted tensor to write: initializer name, ONNX element type, dims and the bytes."""
 
     name: str
     dtype: int
     dims: tuple
-    data: torch.Tensor  # any dtype; written as its raw bytes
+    data: "torch.Tensor | np.ndarray"  # any dtype; written as its raw bytes
 
 
 @dataclasses.dataclass
@@ -107,8 +110,11 @@ class Converted:
     block: tuple | None = None  # FP8 (rows, cols) block of the scales
 
 
-def _scale_piece(name: str, scale: torch.Tensor, fmt: str, rt) -> Piece:
-    if scale.dtype == torch.uint8 or (_E8M0 is not None and scale.dtype == _E8M0):
+def _scale_piece(name: str, scale: "torch.Tensor", fmt: str, rt) -> Piece:
+    import torch
+
+    e8m0 = getattr(torch, "float8_e8m0fnu", None)
+    if scale.dtype == torch.uint8 or (e8m0 is not None and scale.dtype == e8m0):
         return Piece(name, TensorProto.UINT8, tuple(scale.shape), scale.view(torch.uint8))
     if fmt == "fp4":
         # The FP4 ops take E8M0 exponents only; float scales are accepted when they are exact powers of two.
@@ -123,8 +129,10 @@ def _scale_piece(name: str, scale: torch.Tensor, fmt: str, rt) -> Piece:
     return Piece(name, TensorProto.FLOAT, tuple(scale.shape), scale.to(torch.float32).contiguous())
 
 
-def _dense_piece(name: str, t: torch.Tensor, want: str | None) -> tuple[Piece, str]:
+def _dense_piece(name: str, t: "torch.Tensor", want: str | None) -> tuple[Piece, str]:
     """A dense float tensor as FLOAT / BFLOAT16 (``want`` None keeps bf16, anything else becomes float32)."""
+    import torch
+
     if want == "bf16" or (want is None and t.dtype == torch.bfloat16):
         t = t.to(torch.bfloat16).contiguous()
         return Piece(name, TensorProto.BFLOAT16, tuple(t.shape), t), "bf16"
@@ -133,7 +141,12 @@ def _dense_piece(name: str, t: torch.Tensor, want: str | None) -> tuple[Piece, s
 
 
 def convert(rt, out_name: str, mode: str, keep_bf16_param: bool = False) -> Converted:
-    """Convert one :class:`~dsv4_ort.models.checkpoint.RawTensor` for the given weight mode."""
+    """Convert one :class:`~dsv4_ort.models.checkpoint.RawTensor` (torch) or
+    :class:`~dsv4_ort.models.synthetic.ArrayTensor` (numpy) for the given weight mode."""
+    if isinstance(rt.data, np.ndarray):
+        return _convert_array(rt, out_name, mode, keep_bf16_param)
+    import torch
+
     role = tensor_role(rt.name)
     if role == "index":
         if rt.data.dtype not in (torch.int64, torch.int32):
@@ -174,6 +187,37 @@ def convert(rt, out_name: str, mode: str, keep_bf16_param: bool = False) -> Conv
     return Converted(piece, None, fmt)
 
 
+def _convert_array(a, out_name: str, mode: str, keep_bf16_param: bool) -> Converted:
+    """:func:`convert` for an ArrayTensor (numpy; bfloat16 as uint16 bit patterns, FP8 / FP4 / E8M0 as uint8)."""
+    from dsv4_ort.models import quant_np as QN
+
+    role = tensor_role(a.name)
+    if role == "index":
+        if a.data.dtype not in (np.int64, np.int32):
+            raise WeightFormatError(f"integer table expected, got {a.data.dtype} | tensor {a.name!r} | file {a.file!r}")
+        dt = TensorProto.INT64 if a.data.dtype == np.int64 else TensorProto.INT32
+        return Converted(Piece(out_name, dt, tuple(a.data.shape), a.data), None,
+                         "int64" if dt == TensorProto.INT64 else "int32")
+
+    def dense(want: str | None) -> Converted:
+        """want None keeps bf16 and float32 as stored; "bf16" / "fp32" converts (from the exact value)."""
+        if a.stored == "bf16" and want in (None, "bf16"):
+            return Converted(Piece(out_name, TensorProto.BFLOAT16, tuple(a.data.shape), a.data), None, "bf16")
+        x = a.dequantize()
+        if want == "bf16":
+            return Converted(Piece(out_name, TensorProto.BFLOAT16, x.shape, QN.float_to_bf16(x)), None, "bf16")
+        return Converted(Piece(out_name, TensorProto.FLOAT, x.shape, np.ascontiguousarray(x, np.float32)), None,
+                         "fp32")
+
+    if role == "param":
+        return dense(None if (keep_bf16_param and mode != "fp32") else "fp32")
+    if mode == "native" and a.stored in ("fp8", "fp4"):
+        sc = Piece(scale_initializer_name(out_name), TensorProto.UINT8, tuple(a.scale.shape), a.scale)
+        elem = TensorProto.FLOAT8E4M3FN if a.stored == "fp8" else TensorProto.UINT8
+        return Converted(Piece(out_name, elem, tuple(a.data.shape), a.data), sc, a.stored, tuple(a.block))
+    return dense({"bf16": "bf16", "fp32": "fp32"}.get(mode))
+
+
 # ----------------------------------------------------------------------------------------------------- memory
 
 
@@ -182,16 +226,17 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _libc = None
 
 
-def release_pages(t: torch.Tensor) -> None:
+def release_pages(t) -> None:
     """Drops the whole pages inside ``t``'s bytes from this process's resident set (Linux ``madvise``).
 
     safetensors hands out tensors that live in its memory map of the shard, so every tensor read stays resident
     (as file-backed pages) until the shard is closed: without this the RSS of an export grows by a whole shard.
     Only pages entirely inside the tensor are released and the tensor must not be read afterwards (anonymous pages
-    read back as zeros, file pages are re-read from the file).
+    read back as zeros, file pages are re-read from the file). numpy arrays (generated weights, freed right after)
+    and non-contiguous tensors are left alone.
     """
     global _libc
-    if not sys.platform.startswith("linux") or t.numel() == 0:
+    if isinstance(t, np.ndarray) or not sys.platform.startswith("linux") or t.numel() == 0 or not t.is_contiguous():
         return
     start = t.data_ptr()
     end = start + t.numel() * t.element_size()
@@ -248,8 +293,13 @@ class ExternalDataWriter:
         self.end = offset + length
         return e
 
-    def _pwrite(self, data: torch.Tensor, offset: int, expect: int) -> None:
-        buf = data.contiguous().reshape(-1).view(torch.uint8).numpy()
+    def _pwrite(self, data, offset: int, expect: int) -> None:
+        if isinstance(data, np.ndarray):
+            buf = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        else:  # a torch tensor
+            import torch
+
+            buf = data.contiguous().reshape(-1).view(torch.uint8).numpy()
         if buf.nbytes != expect:
             raise AssertionError(f"{buf.nbytes} bytes for a {expect}-byte slot")
         mv = memoryview(buf)

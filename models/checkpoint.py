@@ -19,8 +19,14 @@ Numerics: FP8 E4M3 weights with E8M0 128x128 block scales and FP4 E2M1 routed ex
 
 transformers' ``from_pretrained`` loads both namings (the released one through its conversion
 mapping). Quantised checkpoints in the ``"hf"`` naming store the fused expert tensors quantised as
-a whole (``gate_up_proj`` + ``gate_up_proj_scale_inv``); with FP8 experts this needs
+a whole (``gate_up_proj`` + ``gate_up_proj_scale_inv``, FP4: int8 ``[E, 2I, d/2]`` + E8M0
+``[E, 2I, d/32]``), exactly the parameters of transformers' ``FP8Experts`` and bit for bit what
+transformers builds from the released layout; with FP8 experts this needs
 ``moe_intermediate_size % 128 == 0`` so that no 128-row scale block straddles gate and up.
+transformers reads that layout only into its FP8 modules, i.e. with a CUDA / XPU device: its
+dequantising load (the CPU path) decodes ``X.weight`` + ``X.weight_scale_inv`` pairs and the
+released per-expert names, but not fused expert tensors. To load a quantised checkpoint into
+transformers on a CPU, write it with ``naming="deepseek"``.
 
 Main entry points: :func:`iter_checkpoint` (stream ``(name, dense tensor)`` or :class:`RawTensor`),
 :func:`load_model`, :func:`write_random_checkpoint`, :func:`deepseek_to_hf` / :func:`hf_to_deepseek`,
@@ -36,13 +42,17 @@ import math
 import os
 import re
 import struct
-import zlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from . import quant as Q
+from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, DtypeMismatchError,
+                     MissingTensorError, ShapeMismatchError, UnexpectedTensorError, UnsupportedModelError)
+from .inventory import WEIGHT_MODES, TensorSpec, cfg_dict, deepseek_tensor_specs, storage_kind
+from .synthetic import make_array
 
 __all__ = [
     "CheckpointError",
@@ -79,52 +89,7 @@ MODEL_TYPE = "deepseek_v4"
 ARCHITECTURE = "DeepseekV4ForCausalLM"
 
 
-
-# ==============================================================================================
-# Errors
-# ==============================================================================================
-
-
-class CheckpointError(ValueError):
-    """Base class; ``tensor`` and ``file`` name what was being read."""
-
-    def __init__(self, message: str, tensor: str | None = None, file: str | os.PathLike | None = None):
-        self.tensor = tensor
-        self.file = os.fspath(file) if file is not None else None
-        parts = [message]
-        if tensor is not None:
-            parts.append(f"tensor {tensor!r}")
-        if self.file is not None:
-            parts.append(f"file {self.file!r}")
-        super().__init__(" | ".join(parts))
-
-
-class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """A required file (config.json, a shard, the checkpoint itself) does not exist."""
-
-
-class MissingTensorError(CheckpointError):
-    pass
-
-
-class UnexpectedTensorError(CheckpointError):
-    pass
-
-
-class ShapeMismatchError(CheckpointError):
-    pass
-
-
-class DtypeMismatchError(CheckpointError):
-    pass
-
-
-class CorruptCheckpointError(CheckpointError):
-    """Unreadable / truncated shard, bad header, invalid encodings."""
-
-
-class UnsupportedModelError(CheckpointError):
-    """config.json describes another architecture / model_type."""
+# The error classes live in .errors (torch-free) and are re-exported here.
 
 
 # ==============================================================================================
@@ -959,180 +924,12 @@ def _dir_of(path: str) -> str:
 
 
 # ==============================================================================================
-# Tensor inventory and synthetic checkpoints
+# Synthetic checkpoints (the tensor inventory is in .inventory, the random values in .synthetic)
 # ==============================================================================================
 
-
-@dataclasses.dataclass(frozen=True)
-class TensorSpec:
-    """One tensor of the released inventory (DeepSeek naming).
-
-    ``kind``: ``"linear"`` (FP8 block-quantised in the release), ``"expert"`` (routed expert,
-    FP4 in the release), ``"bf16"``, ``"fp32"``, ``"index"`` (int64 ``tid2eid``).
-    ``init``: how random values are drawn (``"linear"``, ``"embed"``, ``"norm"``, ``"hc_fn"``,
-    ``"hc_base"``, ``"hc_scale"``, ``"sink"``, ``"ape"``, ``"bias"``, ``"tid2eid"``).
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    kind: str
-    init: str
-
-
-def _cfg_dict(config: Any) -> dict[str, Any]:
-    if isinstance(config, dict):
-        from .config import DeepseekV4Config
-
-        return DeepseekV4Config.from_dict(config).to_dict()
-    if hasattr(config, "to_dict"):
-        return config.to_dict()
-    raise TypeError(f"expected a DeepseekV4Config or a dict, got {type(config).__name__}")
-
-
-def deepseek_tensor_specs(config: Any) -> list[TensorSpec]:
-    """The released tensor inventory (weights only, no ``.scale``) for a config, in file order."""
-    c = _cfg_dict(config)
-    d, n_layers = c["hidden_size"], c["num_hidden_layers"]
-    n_mtp = c.get("num_nextn_predict_layers", 0)
-    H, D, dc = c["num_attention_heads"], c["head_dim"], c["q_lora_rank"]
-    G, dg = c["o_groups"], c["o_lora_rank"]
-    nI, cI = c["index_n_heads"], c["index_head_dim"]
-    E, K, inter = c["n_routed_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"]
-    hc, V = c["hc_mult"], c["vocab_size"]
-    ratios = c["compress_ratios"]
-    n_hash = c.get("num_hash_layers", 0)
-    mix = (2 + hc) * hc
-    specs: list[TensorSpec] = []
-
-    def add(name, shape, kind, init):
-        specs.append(TensorSpec(name, tuple(int(s) for s in shape), kind, init))
-
-    def block(p: str, layer_id: int, ratio: int):
-        add(p + "hc_attn_fn", (mix, hc * d), "fp32", "hc_fn")
-        add(p + "hc_attn_base", (mix,), "fp32", "hc_base")
-        add(p + "hc_attn_scale", (3,), "fp32", "hc_scale")
-        add(p + "hc_ffn_fn", (mix, hc * d), "fp32", "hc_fn")
-        add(p + "hc_ffn_base", (mix,), "fp32", "hc_base")
-        add(p + "hc_ffn_scale", (3,), "fp32", "hc_scale")
-        add(p + "attn_norm.weight", (d,), "bf16", "norm")
-        add(p + "ffn_norm.weight", (d,), "bf16", "norm")
-        a = p + "attn."
-        add(a + "attn_sink", (H,), "fp32", "sink")
-        add(a + "wq_a.weight", (dc, d), "linear", "linear")
-        add(a + "q_norm.weight", (dc,), "bf16", "norm")
-        add(a + "wq_b.weight", (H * D, dc), "linear", "linear")
-        add(a + "wkv.weight", (D, d), "linear", "linear")
-        add(a + "kv_norm.weight", (D,), "bf16", "norm")
-        add(a + "wo_a.weight", (G * dg, H * D // G), "linear", "linear")
-        add(a + "wo_b.weight", (d, G * dg), "linear", "linear")
-        if ratio > 0:
-            coff = 2 if ratio == 4 else 1
-            add(a + "compressor.ape", (ratio, coff * D), "fp32", "ape")
-            add(a + "compressor.wkv.weight", (coff * D, d), "bf16", "linear")
-            add(a + "compressor.wgate.weight", (coff * D, d), "bf16", "linear")
-            add(a + "compressor.norm.weight", (D,), "bf16", "norm")
-        if ratio == 4:
-            add(a + "indexer.wq_b.weight", (nI * cI, dc), "linear", "linear")
-            add(a + "indexer.weights_proj.weight", (nI, d), "bf16", "linear")
-            add(a + "indexer.compressor.ape", (4, 2 * cI), "fp32", "ape")
-            add(a + "indexer.compressor.wkv.weight", (2 * cI, d), "bf16", "linear")
-            add(a + "indexer.compressor.wgate.weight", (2 * cI, d), "bf16", "linear")
-            add(a + "indexer.compressor.norm.weight", (cI,), "bf16", "norm")
-        f = p + "ffn."
-        add(f + "gate.weight", (E, d), "bf16", "linear")
-        if layer_id < n_hash:
-            add(f + "gate.tid2eid", (V, K), "index", "tid2eid")
-        else:
-            add(f + "gate.bias", (E,), "fp32", "bias")
-        for e in range(E):
-            add(f + f"experts.{e}.w1.weight", (inter, d), "expert", "linear")
-            add(f + f"experts.{e}.w2.weight", (d, inter), "expert", "linear")
-            add(f + f"experts.{e}.w3.weight", (inter, d), "expert", "linear")
-        add(f + "shared_experts.w1.weight", (inter, d), "linear", "linear")
-        add(f + "shared_experts.w2.weight", (d, inter), "linear", "linear")
-        add(f + "shared_experts.w3.weight", (inter, d), "linear", "linear")
-
-    add("embed.weight", (V, d), "bf16", "embed")
-    for i in range(n_layers):
-        block(f"layers.{i}.", i, ratios[i])
-    for j in range(n_mtp):
-        p = f"mtp.{j}."
-        block(p, n_layers + j, ratios[n_layers + j])
-        add(p + "e_proj.weight", (d, d), "linear", "linear")
-        add(p + "h_proj.weight", (d, d), "linear", "linear")
-        add(p + "enorm.weight", (d,), "bf16", "norm")
-        add(p + "hnorm.weight", (d,), "bf16", "norm")
-        add(p + "norm.weight", (d,), "bf16", "norm")
-        add(p + "hc_head_fn", (hc, hc * d), "fp32", "hc_fn")
-        add(p + "hc_head_base", (hc,), "fp32", "hc_base")
-        add(p + "hc_head_scale", (1,), "fp32", "hc_scale")
-    add("norm.weight", (d,), "bf16", "norm")
-    add("head.weight", (V, d), "bf16", "linear")
-    add("hc_head_fn", (hc, hc * d), "fp32", "hc_fn")
-    add("hc_head_base", (hc,), "fp32", "hc_base")
-    add("hc_head_scale", (1,), "fp32", "hc_scale")
-    return specs
-
-
-_WEIGHT_MODES = ("bf16", "fp32", "fp8", "native")
-
-
-def _generator(seed: int, name: str) -> torch.Generator:
-    return torch.Generator().manual_seed((int(seed) * 0x9E3779B1 + zlib.crc32(name.encode())) % (2**63))
-
-
-def _draw(spec: TensorSpec, g: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
-    """Next ``shape`` float32 values of ``spec`` from its generator (``shape`` may be a row chunk)."""
-    init = spec.init
-    if init == "hc_scale":
-        return torch.rand(shape, generator=g).add_(0.5)  # positive, around 1
-    x = torch.randn(shape, generator=g, dtype=torch.float32)
-    fan_in = spec.shape[-1]
-    if init in ("linear", "hc_fn"):
-        return x.mul_(fan_in**-0.5)  # unit-variance outputs for unit-variance inputs
-    if init in ("embed", "sink"):
-        return x
-    if init == "norm":
-        return x.mul_(0.1).add_(1.0)
-    if init in ("hc_base", "ape"):
-        return x.mul_(0.5)
-    if init == "bias":
-        return x.mul_(0.1)
-    raise ValueError(f"unknown init {init!r}")
-
-
-_CHUNK_ELEMS = 1 << 22
-
-
-def _row_chunks(rows: int, cols: int) -> Iterator[tuple[int, int]]:
-    """Row ranges of about 4M elements, multiples of 128 rows (whole FP8 scale blocks)."""
-    step = max(Q.FP8_BLOCK, _CHUNK_ELEMS // max(cols, 1) // Q.FP8_BLOCK * Q.FP8_BLOCK)
-    for r0 in range(0, rows, step):
-        yield r0, min(rows, r0 + step)
-
-
-def _random_tid2eid(name: str, vocab: int, k: int, n_experts: int, seed: int) -> torch.Tensor:
-    """Random ``[vocab, k]`` int64 table of distinct expert ids per row."""
-    g = _generator(seed, name)
-    out = torch.empty(vocab, k, dtype=torch.int64)
-    step = max(1, (1 << 22) // max(n_experts, 1))
-    for s in range(0, vocab, step):
-        e = min(vocab, s + step)
-        out[s:e] = torch.rand(e - s, n_experts, generator=g).argsort(dim=1)[:, :k]
-    return out
-
-
-def _storage_kind(spec: TensorSpec, weights: str) -> str:
-    """'fp8' | 'fp4' | 'bf16' | 'fp32' | 'int64' for a tensor under a weights mode."""
-    if spec.kind == "index":
-        return "int64"
-    if weights == "fp32":
-        return "fp32"
-    if spec.kind == "linear":
-        return "bf16" if weights == "bf16" else "fp8"
-    if spec.kind == "expert":
-        return {"bf16": "bf16", "fp8": "fp8", "native": "fp4"}[weights]
-    return spec.kind  # "bf16" / "fp32"
+_WEIGHT_MODES = WEIGHT_MODES
+_cfg_dict = cfg_dict
+_storage_kind = storage_kind
 
 
 def random_tensors(
@@ -1156,43 +953,17 @@ def random_tensors(
 
 
 def _make_raw(spec: TensorSpec, weights: str, seed: int, c: dict) -> RawTensor:
-    """Generate one tensor in its stored form, row chunk by row chunk (peak ~ stored size + 16 MB)."""
-    kind = _storage_kind(spec, weights)
-    if kind == "int64":
-        V, K = spec.shape
-        return RawTensor(spec.name, _random_tid2eid(spec.name, V, K, c["n_routed_experts"], seed), None, "dense", "")
-    g = _generator(seed, spec.name)
-    shape = spec.shape
-    chunks = list(_row_chunks(*shape)) if len(shape) == 2 else [None]
-    data = scale = None
-    for ch in chunks:
-        x = _draw(spec, g, shape if ch is None else (ch[1] - ch[0], shape[1]))
-        if kind in ("fp32", "bf16"):
-            part, sc = x.to(torch.float32 if kind == "fp32" else torch.bfloat16), None
-        elif kind == "fp8":
-            part, sc = Q.quant_fp8_block(x, scale_dtype="uint8")
-        else:
-            part, sc = Q.quant_fp4(x, scale_dtype="uint8")
-        if ch is None:
-            data, scale = part, sc
-            break
-        if data is None:
-            data = torch.empty((shape[0], *part.shape[1:]), dtype=part.dtype)
-            if sc is not None:
-                srows = math.ceil(shape[0] / Q.FP8_BLOCK) if kind == "fp8" else shape[0]
-                scale = torch.empty((srows, sc.shape[1]), dtype=torch.uint8)
-        data[ch[0] : ch[1]] = part
-        if sc is not None:
-            if kind == "fp8":
-                b0 = ch[0] // Q.FP8_BLOCK
-                scale[b0 : b0 + sc.shape[0]] = sc
-            else:
-                scale[ch[0] : ch[1]] = sc
-    if kind == "fp8":
-        return RawTensor(spec.name, data, scale.view(torch.float8_e8m0fnu), "fp8", "", (Q.FP8_BLOCK, Q.FP8_BLOCK))
-    if kind == "fp4":
-        return RawTensor(spec.name, data, scale.view(torch.float8_e8m0fnu), "fp4", "", (1, Q.FP4_BLOCK))
-    return RawTensor(spec.name, data, None, "dense", "")
+    """One tensor of :mod:`.synthetic` in its stored form, as torch tensors sharing the numpy memory."""
+    a = make_array(spec, weights, seed, c)
+    if a.stored == "fp8":
+        return RawTensor(spec.name, torch.from_numpy(a.data).view(torch.float8_e4m3fn),
+                         torch.from_numpy(a.scale).view(torch.float8_e8m0fnu), "fp8", "", a.block)
+    if a.stored == "fp4":
+        return RawTensor(spec.name, torch.from_numpy(a.data).view(torch.int8),
+                         torch.from_numpy(a.scale).view(torch.float8_e8m0fnu), "fp4", "", a.block)
+    if a.stored == "bf16":
+        return RawTensor(spec.name, torch.from_numpy(a.data.view(np.int16)).view(torch.bfloat16), None, "dense", "")
+    return RawTensor(spec.name, torch.from_numpy(a.data), None, "dense", "")
 
 
 _ST_FOR_KIND = {"bf16": torch.bfloat16, "fp32": torch.float32, "int64": torch.int64, "fp8": torch.float8_e4m3fn,
@@ -1355,7 +1126,9 @@ def write_random_checkpoint(
     ``config``: a :class:`DeepseekV4Config` or a config dict. ``naming``: ``"deepseek"`` (released
     names, ``.scale`` companions, released-style config.json) or ``"hf"`` (transformers module names,
     fused experts, ``*_scale_inv`` companions, transformers-style config.json; MTP tensors keep
-    their DeepSeek names). ``weights``:
+    their DeepSeek names; with ``"fp8"`` / ``"native"`` weights transformers loads it into its FP8
+    modules, which it keeps only with a GPU - on a CPU use ``"deepseek"``, see the module
+    docstring). ``weights``:
 
     * ``"bf16"`` - every FP8/FP4 tensor of the release stored bf16 (fp32 ones stay fp32);
     * ``"fp32"`` - every floating tensor float32;
@@ -1366,7 +1139,8 @@ def write_random_checkpoint(
       int64 ``tid2eid``.
 
     Values depend only on ``seed`` and the DeepSeek tensor name, so both namings hold identical
-    dense tensors. Tensors are generated and written one at a time (peak memory ~ the largest
+    dense tensors; they are generated by :mod:`.synthetic` (numpy), which a preset export streams
+    directly. Tensors are generated and written one at a time (peak memory ~ the largest
     tensor, for ``hf`` naming the largest fused expert tensor). Returns the weight map.
     """
     if naming not in ("deepseek", "hf"):

@@ -26,7 +26,6 @@ the selected weights are renormalised only when ``norm_topk_prob`` (transformers
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -84,27 +83,13 @@ def rope_freqs(config, compressed: bool) -> torch.Tensor:
     with YaRN from ``config.rope_scaling`` (if set): ``f_i' = f_i/factor * ramp_i + f_i * (1 - ramp_i)``,
     ``ramp_i = clamp((i - low) / (high - low), 0, 1)``, low/high from beta_fast/beta_slow (floored /
     ceiled). No YaRN attention factor (mscale) is applied anywhere.
+
+    The table is :func:`dsv4_ort.models.rope.inv_freq` (float64 arithmetic rounded once to float32, within
+    2 ulps of transformers' all-float32 table); the exporter writes the same table into the graph.
     """
-    rd = config.qk_rope_head_dim
-    base = float(config.compress_rope_theta if compressed else config.rope_theta)
-    pos_freqs = base ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd)
-    inv_freq = 1.0 / pos_freqs
-    rs = config.rope_scaling
-    if not compressed or rs is None or rs.get("type", rs.get("rope_type")) != "yarn":
-        return inv_freq
-    factor = float(rs["factor"])
-    orig = float(rs["original_max_position_embeddings"])
+    from .rope import inv_freq
 
-    def corr_dim(n_rot: float) -> float:
-        return rd * math.log(orig / (n_rot * 2 * math.pi)) / (2 * math.log(base))
-
-    low = max(math.floor(corr_dim(rs.get("beta_fast") or 32)), 0)
-    high = min(math.ceil(corr_dim(rs.get("beta_slow") or 1)), rd - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(rd // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    keep = 1 - ramp  # weight of the original (extrapolated) frequency
-    return (1.0 / (factor * pos_freqs)) * (1 - keep) + inv_freq * keep
+    return torch.from_numpy(inv_freq(config, compressed))
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -355,6 +355,74 @@ def test_random_preset_export_matches_random_checkpoint(cache, tmp_path):
     assert json.loads((path.parent / "dsv4_ort.json").read_text())["source"]["preset"] == "tiny"
 
 
+_NO_TORCH_SCRIPT = textwrap.dedent("""
+    import json, os, sys, time
+    for name in ("torch", "safetensors", "onnxscript", "tqdm", "transformers"):
+        sys.modules[name] = None  # importing any of them raises ImportError
+    import numpy as np
+    import onnxruntime as ort
+    import dsv4_ort
+    from dsv4_ort.export import export_model
+    out = sys.argv[1]
+    ids = np.load(sys.argv[2])
+    seconds = {}
+    for weights in ("native", "bf16", "fp32"):
+        t0 = time.perf_counter()
+        export_model(None, os.path.join(out, weights), preset="tiny", weights=weights, logits="all", max_seq_len=256,
+                     progress=weights == "native")  # the progress bar is optional (tqdm is blocked)
+        seconds[weights] = time.perf_counter() - t0
+
+    # onnxruntime + the installed custom-op library, every state buffer bound as both past and present
+    meta = json.load(open(os.path.join(out, "native", "dsv4_ort.json")))
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.register_custom_ops_library(dsv4_ort.get_library_path())
+    sess = ort.InferenceSession(os.path.join(out, "native", "model.onnx"), so, providers=["CPUExecutionProvider"])
+    io = sess.io_binding()
+    io.bind_cpu_input("input_ids", ids)
+    io.bind_cpu_input("start_pos", np.zeros(1, np.int64))
+    for t in meta["state"]["tensors"]:
+        v = ort.OrtValue.ortvalue_from_numpy(np.zeros([1] + t["shape"][1:], np.float32))
+        io.bind_ortvalue_input(t["input"], v)
+        io.bind_ortvalue_output(t["output"], v)
+    io.bind_output("logits", "cpu")
+    sess.run_with_iobinding(io)
+    np.save(os.path.join(out, "logits.npy"), io.copy_outputs_to_cpu()[-1])
+
+    # `dsv4-ort run`: export the built-in model into an empty cache, load it with the runtime, generate
+    from dsv4_ort import cli
+    os.environ["DSV4_ORT_CACHE"] = os.path.join(out, "cache")
+    t0 = time.perf_counter()
+    rc = cli.main(["run", "--threads", "1", "--max-new-tokens", "8", "--quiet"])
+    seconds["run"] = time.perf_counter() - t0
+    loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "safetensors", "onnxscript", "tqdm")
+                    and sys.modules[m] is not None)
+    print(json.dumps({"seconds": seconds, "run_rc": rc, "loaded": loaded}))
+""")
+
+
+def test_preset_export_and_run_without_torch(cache, tmp_path):
+    """With torch (and safetensors, onnxscript, tqdm) unimportable, a preset exports in every weight mode, runs in
+    onnxruntime with the library, matches the PyTorch reference on the same weights, and `dsv4-ort run` works."""
+    ids = random_ids(config("tiny").vocab_size, (1, 140), seed=1)  # crosses the first HCA-128 entry
+    np.save(tmp_path / "ids.npy", ids)
+    out = subprocess.run([sys.executable, "-c", _NO_TORCH_SCRIPT, str(tmp_path), str(tmp_path / "ids.npy")],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["run_rc"] == 0 and report["loaded"] == []
+    assert "generated ids: [" in out.stdout
+    print("export without torch, seconds:", report["seconds"])
+    # the same weights as the random checkpoint the reference is loaded from, in every mode
+    for weights in ("native", "bf16", "fp32"):
+        ours = (tmp_path / weights / "model.onnx.data").read_bytes()
+        assert ours == (cache.export(("tiny",), weights=weights, logits="all").parent / "model.onnx.data").read_bytes()
+    got = np.load(tmp_path / "logits.npy")
+    ref = reference_logits(cache.reference(("tiny",)), ids)
+    assert got.shape == ref.shape
+    assert rel_err(got, ref) < REL_TOL
+
+
 def test_tokenizer_files_are_copied(cache, tmp_path):
     import shutil
 
