@@ -556,10 +556,10 @@ _MEASURE = textwrap.dedent("""
 
 
 def _measure(*args):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    out = subprocess.run([sys.executable, "-c", _MEASURE, *args], capture_output=True, text=True, env=env,
-                         timeout=300)
+    # The child imports the installed package (a PYTHONPATH built from this process's sys.path could put the
+    # source tree's dsv4_ort folder, which lacks the mapped subpackages, ahead of it).
+    out = subprocess.run([sys.executable, "-c", _MEASURE, *args], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.abspath(args[1])))
     assert out.returncode == 0, out.stderr
     grow, n = map(int, out.stdout.split())
     return grow, n
