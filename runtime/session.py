@@ -222,11 +222,24 @@ class Session:
 
     # ---- text ----------------------------------------------------------------------------------------------------
 
-    def encode(self, text: str) -> list:
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list:
         if self.tokenizer is None:
             raise ModelError(f"{self.model_dir} has no tokenizer.json (or the tokenizers package is missing); "
                              "pass token ids instead")
-        return self.tokenizer.encode(text).ids
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        bad = [i for i in ids if i >= self.vocab_size]
+        if bad:
+            raise ModelError(f"the tokenizer produced id {bad[0]} outside the model's vocabulary ({self.vocab_size})")
+        return ids
+
+    def chat(self, messages, max_new_tokens: int, *, thinking: bool = False, **sampling) -> str:
+        """Answers a conversation ([{"role", "content"}, ...]) in DeepSeek-V4's chat format; returns the text."""
+        from .chat import format_chat
+
+        ids = self.encode(format_chat(messages, thinking=thinking), add_special_tokens=False)
+        eos = int(self.config.get("eos_token_id", 1))
+        out = self.generate(ids, max_new_tokens, stop_ids=[eos], **sampling)
+        return self.decode([t for t in out if t != eos])
 
     def decode(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:
