@@ -5,6 +5,7 @@ Commands:
             generate, printing the tokens, prefill/decode tokens per second and the ISA level used
   generate  stream tokens from an exported model (--prompt TEXT or --ids 1,2,3)
   export    checkpoint (or --preset) -> model.onnx + model.onnx.data + dsv4_ort.json
+  bench     machine limits, kernel and end-to-end speed against baselines (JSON + markdown, --plot charts)
   info      library path, onnxruntime version, CPU features and the ISA level chosen per kernel family
 Bad arguments, a missing or corrupt model and out-of-range ids exit with status 2 and a one-line message.
 """
@@ -49,11 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print the raw JSON")
     info.set_defaults(func=_cmd_info)
 
+    from .bench import cli as bench_cli
     from .export import cli as export_cli
     from .runtime import cli as runtime_cli
 
     runtime_cli.add_parsers(sub, common)
     export_cli.add_parser(sub)
+    bench_cli.add_parser(sub)  # takes its own --isa list
     return p
 
 

@@ -1,0 +1,122 @@
+"""``dsv4-ort bench``: the benchmark suite's command-line subcommand.
+
+``add_parser(subparsers)`` adds it to the ``dsv4-ort`` parser (importing nothing heavy); ``main(argv)`` runs it
+standalone (``python -m dsv4_ort.bench``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+USAGE = "dsv4-ort bench [--smoke | --quick] [--out DIR] [--plot] [--isa LEVELS] [--threads N] [--e2e | --no-e2e] ..."
+
+DESCRIPTION = """\
+Benchmarks dsv4-ort on this machine and writes DIR/results.json (every figure with its spread and conditions) and
+DIR/summary.md (and PNG charts with --plot): the machine's limits (DRAM read bandwidth, peak arithmetic of each
+instruction path), every op family at DeepSeek-V4 shapes for decode (M = 1..8) and prefill (M = 128..2048) at each
+ISA level with its roofline fraction, side by side with the PyTorch reference, torch bf16 GEMMs and onnxruntime's
+MatMul / MatMulNBits, and the bench preset end to end (prefill and decode tokens/s, bytes per decoded token, implied
+roofline tokens/s) next to the PyTorch reference and transformers. The default mode is the full suite (tens of
+minutes); --quick takes under two minutes once the bench model is in the cache; --smoke takes seconds (tiny shapes,
+checks that everything runs)."""
+
+
+def _levels(text: str) -> list:
+    return [t for t in text.replace(" ", "").split(",") if t]
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _ints(text: str) -> list:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="headline cases only (< 2 min with the model cached)")
+    mode.add_argument("--smoke", action="store_true", help="tiny shapes and the tiny preset (seconds; for CI)")
+    p.add_argument("--out", default="bench-results", metavar="DIR", help="output directory (default: bench-results)")
+    p.add_argument("--plot", action="store_true", help="also write PNG charts (needs matplotlib: the bench extra)")
+    p.add_argument("--isa", type=_levels, default=None, metavar="LEVELS",
+                   help="comma-separated ISA caps to measure the kernels at (default: every level the CPU has)")
+    p.add_argument("--threads", type=_positive, default=None, metavar="N",
+                   help="threads for every implementation (default: physical cores)")
+    p.add_argument("--e2e", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the end-to-end model benchmarks (default: yes)")
+    p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the kernel benchmarks (default: yes)")
+    p.add_argument("--baselines", type=_levels, default=None, metavar="LIST",
+                   help="baselines to include: torch, ort, hf (default: all that are installed; 'none' for none)")
+    p.add_argument("--e2e-isa", type=_levels, default=None, metavar="LEVELS",
+                   help="ISA caps for the end-to-end runs (default: the highest)")
+    p.add_argument("--model-dir", default=None, metavar="DIR",
+                   help="use this exported model for the end-to-end runs instead of the cached bench preset")
+    p.add_argument("--filter", default=None, metavar="TEXT", help="only kernel cases whose key or group contains TEXT")
+    p.add_argument("--decode-m", type=_ints, default=None, metavar="LIST", help="decode token counts (e.g. 1,4,8)")
+    p.add_argument("--prefill-m", type=_ints, default=None, metavar="LIST",
+                   help="prefill token counts for the kernels (e.g. 128,512,2048)")
+    p.add_argument("--contexts", type=_ints, default=None, metavar="LIST",
+                   help="end-to-end decode contexts (e.g. 256,4096,16384)")
+    p.add_argument("--pool-mb", type=_positive, default=None, metavar="MB",
+                   help="size of the rotating weight pool, all of it streamed per decode run "
+                        "(default: max(2 x LLC, 1 GiB))")
+    p.add_argument("--budget", type=float, default=None, metavar="S",
+                   help="time budget in seconds for each of the kernel and end-to-end sections")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.add_argument("--debug", action="store_true", help="print tracebacks of failing measurements")
+    return p
+
+
+def cmd_bench(args) -> int:
+    from .suite import run
+
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    baselines = None
+    if args.baselines is not None:
+        baselines = [] if args.baselines == ["none"] else args.baselines
+        bad = [b for b in baselines if b not in ("torch", "ort", "hf")]
+        if bad:
+            raise ValueError(f"--baselines: unknown baseline(s) {bad}; valid: torch, ort, hf, none")
+    overrides = {"decode_ms": args.decode_m, "prefill_ms": args.prefill_m, "e2e_contexts": args.contexts,
+                 "pool_mb": args.pool_mb, "debug": args.debug or None}
+    if args.budget is not None:
+        overrides.update(kernel_budget_s=args.budget, e2e_budget_s=args.budget)
+    log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    results = run(mode, out_dir=args.out, threads=args.threads, isa=args.isa, e2e=args.e2e, kernels=args.kernels,
+                  baselines=baselines, plot=args.plot, filter=args.filter, e2e_isa=args.e2e_isa,
+                  model_dir=args.model_dir, overrides=overrides, log=log)
+    return 1 if any(e.get("where") == "schema" for e in results["errors"]) else 0
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Adds the ``bench`` subcommand to an ``argparse`` subparsers object."""
+    p = subparsers.add_parser("bench", usage=USAGE, help="benchmark kernels and the model; roofline; baselines",
+                              description=DESCRIPTION)
+    configure(p)
+    p.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv=None) -> int:
+    p = configure(argparse.ArgumentParser(prog="dsv4-ort bench", usage=USAGE, description=DESCRIPTION))
+    args = p.parse_args(argv)
+    try:
+        return cmd_bench(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"dsv4-ort bench: error: {e}", file=sys.stderr)
+        return 2
+
+
+__all__ = ["add_parser", "main", "cmd_bench"]
