@@ -15,8 +15,9 @@ def smoke_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     env = dict(os.environ, DSV4_ORT_CACHE=str(tmp_path_factory.mktemp("cache")))
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "dsv4_ort.bench", "--smoke", "--out", str(out), "--quiet"],
-                       capture_output=True, text=True, timeout=240, env=env)
+    exe = os.path.join(os.path.dirname(sys.executable), "dsv4-ort")
+    r = subprocess.run([exe, "bench", "--smoke", "--out", str(out), "--quiet"], capture_output=True, text=True,
+                       timeout=240, env=env, cwd=out)
     return r, out, time.monotonic() - t0
 
 
