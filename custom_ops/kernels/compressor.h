@@ -56,4 +56,12 @@ namespace ref {
 extern const CompressorKernels kCompressor;
 }  // namespace ref
 
+namespace avx2 {
+extern const CompressorKernels kCompressor;
+}  // namespace avx2
+
+namespace avx512 {
+extern const CompressorKernels kCompressor;
+}  // namespace avx512
+
 }  // namespace dsv4

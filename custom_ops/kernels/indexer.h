@@ -43,4 +43,20 @@ extern const IndexerKernels kIndexer;
 void SelectTopK(const float* score, int64_t n, int64_t k, int64_t* out);
 }  // namespace ref
 
+namespace avx2 {
+extern const IndexerKernels kIndexer;
+}  // namespace avx2
+
+namespace avx512 {
+extern const IndexerKernels kIndexer;
+}  // namespace avx512
+
+namespace amx {
+extern const IndexerKernels kIndexer;
+}  // namespace amx
+
+namespace amx_emu {
+extern const IndexerKernels kIndexer;
+}  // namespace amx_emu
+
 }  // namespace dsv4

@@ -58,4 +58,12 @@ extern const NormRopeKernels kNormRope;
 float RmsScale(const float* v, int64_t n, float eps);
 }  // namespace ref
 
+namespace avx2 {
+extern const NormRopeKernels kNormRope;
+}  // namespace avx2
+
+namespace avx512 {
+extern const NormRopeKernels kNormRope;
+}  // namespace avx512
+
 }  // namespace dsv4

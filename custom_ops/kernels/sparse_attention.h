@@ -60,4 +60,20 @@ namespace ref {
 extern const SparseAttentionKernels kSparseAttention;
 }  // namespace ref
 
+namespace avx2 {
+extern const SparseAttentionKernels kSparseAttention;
+}  // namespace avx2
+
+namespace avx512 {
+extern const SparseAttentionKernels kSparseAttention;
+}  // namespace avx512
+
+namespace amx {
+extern const SparseAttentionKernels kSparseAttention;
+}  // namespace amx
+
+namespace amx_emu {
+extern const SparseAttentionKernels kSparseAttention;
+}  // namespace amx_emu
+
 }  // namespace dsv4

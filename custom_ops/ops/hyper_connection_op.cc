@@ -2,6 +2,7 @@
 // tokens; every dimension that must agree between inputs is checked here.
 #include "kernels/hyper_connection.h"
 #include "ops/kernel_api.h"
+#include "ops/op_checks.h"
 
 namespace dsv4::glue {
 namespace {
@@ -46,7 +47,7 @@ class HcPreKernel final : public Kernel {
     int64_t hc, d;
     StreamDims(x, &hc, &d);
     const int64_t mixes = (2 + hc) * hc;
-    ExpectShape(fn, {mixes, hc * d});
+    ExpectShape(fn, {mixes, CheckedMul(hc, d, "fn columns hc * d")});
     ExpectShape(scale, {3});
     ExpectShape(base, {mixes});
     const std::vector<int64_t> lead = Lead(x.shape, 2);
@@ -109,7 +110,7 @@ class HcHeadKernel final : public Kernel {
     const InputView &x = ctx.Input(0), &fn = ctx.Input(1), &scale = ctx.Input(2), &base = ctx.Input(3);
     int64_t hc, d;
     StreamDims(x, &hc, &d);
-    ExpectShape(fn, {hc, hc * d});
+    ExpectShape(fn, {hc, CheckedMul(hc, d, "fn columns hc * d")});
     ExpectShape(scale, {1});
     ExpectShape(base, {hc});
     const int64_t n = Product(x.shape, 0, x.rank() - 2);

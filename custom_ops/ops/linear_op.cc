@@ -1,10 +1,14 @@
 // Linear / LinearFp8 / LinearFp4: ORT glue for kernels/linear.h. Leading dimensions of x are flattened into M rows;
 // the op checks K against groups and the weight, the scale shape against the weight and block size, and every
-// E8M0 scale byte (0xFF, the NaN code, is an error) or fp32 scale (must be finite) before the kernel runs.
+// E8M0 scale byte (0xFF, the NaN code, is an error) or fp32 scale (must be finite) before the kernel runs. A scale
+// that is a constant initializer is checked once, when the kernel is created (an invalid one fails session
+// creation with the same message), and not again on each call. Weights are used in place, in their checkpoint
+// layout: the kernels need no repacked copy (kernels/linear_blocks.h), so a session holds each weight once.
 #include <string>
 
 #include "kernels/linear.h"
 #include "ops/kernel_api.h"
+#include "ops/op_checks.h"
 #include "ops/quant_checks.h"
 
 namespace dsv4::glue {
@@ -15,14 +19,28 @@ class LinearKernelBase : public Kernel {
   explicit LinearKernelBase(const KernelInit& init)
       : k_(*init.tables->linear), groups_(init.attrs->Int("groups")) {}
 
+  // Validates the values of a constant scale input once; Compute then skips the per-call check for that buffer.
+  void CheckConstantScale(const KernelInit& init, int index) {
+    InputView scale;
+    if (init.constants != nullptr && init.constants->Get(index, &scale) && scale.data != nullptr) {
+      CheckScaleValues(scale, 0, scale.numel);
+      checked_scale_ = scale.data;
+    }
+  }
+
+  void CheckScale(const InputView& scale) const {
+    if (scale.data != checked_scale_ || checked_scale_ == nullptr) CheckScaleValues(scale, 0, scale.numel);
+  }
+
  protected:
   // Validates x against the weight and groups, allocates y [..., N] and runs the slot for x's type.
   void Run(ComputeContext& ctx, const WeightView& w, LinearF32Fn f32, LinearBf16Fn bf16) const {
     const InputView& x = ctx.Input(0);
     const int64_t k = x.dim(-1);
-    if (k != groups_ * w.cols) {
+    const int64_t want_k = CheckedMul(groups_, w.cols, "K = groups * Kw");
+    if (k != want_k) {
       Fail("x has K=", k, " (shape ", ShapeString(x.shape), ") but the weight has Kw=", w.cols, " columns and groups=",
-           groups_, ", so K must be ", groups_ * w.cols);
+           groups_, ", so K must be ", want_k);
     }
     if (w.rows % groups_ != 0) Fail("weight has N=", w.rows, " rows, not a multiple of groups=", groups_);
     std::vector<int64_t> out_shape(x.shape.begin(), x.shape.end() - 1);
@@ -40,6 +58,7 @@ class LinearKernelBase : public Kernel {
 
   const LinearKernels& k_;
   const int64_t groups_;
+  const void* checked_scale_ = nullptr;  // constant scale validated at creation
 };
 
 class LinearKernel final : public LinearKernelBase {
@@ -59,7 +78,9 @@ class LinearKernel final : public LinearKernelBase {
 
 class LinearFp8Kernel final : public LinearKernelBase {
  public:
-  explicit LinearFp8Kernel(const KernelInit& init) : LinearKernelBase(init), block_(init.attrs->Int("block_size")) {}
+  explicit LinearFp8Kernel(const KernelInit& init) : LinearKernelBase(init), block_(init.attrs->Int("block_size")) {
+    CheckConstantScale(init, 2);
+  }
 
   void Compute(ComputeContext& ctx) override {
     const InputView &weight = ctx.Input(1), &scale = ctx.Input(2);
@@ -68,13 +89,13 @@ class LinearFp8Kernel final : public LinearKernelBase {
     w.data = weight.data;
     w.rows = weight.dim(0);
     w.cols = weight.dim(1);
-    w.block = block_;
+    w.block = KernelBlock(block_, w.rows, w.cols);
     w.scale = scale.data;
     w.scale_format = scale.dtype == kUint8 ? ScaleFormat::kE8M0 : ScaleFormat::kF32;
     ExpectScaleShape(scale, {BlockCount(w.rows, block_), BlockCount(w.cols, block_)},
                      "[ceil(N/block_size), ceil(Kw/block_size)] for weight " + ShapeString(weight.shape) +
                          " and block_size=" + std::to_string(block_));
-    CheckScaleValues(scale, 0, scale.numel);
+    CheckScale(scale);
     Run(ctx, w, k_.f32_fp8, k_.bf16_fp8);
   }
 
@@ -84,7 +105,7 @@ class LinearFp8Kernel final : public LinearKernelBase {
 
 class LinearFp4Kernel final : public LinearKernelBase {
  public:
-  using LinearKernelBase::LinearKernelBase;
+  explicit LinearFp4Kernel(const KernelInit& init) : LinearKernelBase(init) { CheckConstantScale(init, 2); }
 
   void Compute(ComputeContext& ctx) override {
     const InputView &weight = ctx.Input(1), &scale = ctx.Input(2);
@@ -92,14 +113,14 @@ class LinearFp4Kernel final : public LinearKernelBase {
     w.format = WeightFormat::kFp4E2M1;
     w.data = weight.data;
     w.rows = weight.dim(0);
-    w.cols = 2 * weight.dim(1);
+    w.cols = CheckedMul(2, weight.dim(1), "Kw = 2 * the packed weight columns");
     w.block = kFp4Block;
     w.scale = scale.data;
     w.scale_format = ScaleFormat::kE8M0;
     CheckFp4Width(weight, w.cols, "Kw");
     ExpectScaleShape(scale, {w.rows, w.cols / kFp4Block},
                      "[N, Kw/32] for weight " + ShapeString(weight.shape) + " (Kw=" + std::to_string(w.cols) + ")");
-    CheckScaleValues(scale, 0, scale.numel);
+    CheckScale(scale);
     Run(ctx, w, k_.f32_fp4, k_.bf16_fp4);
   }
 };

@@ -1,12 +1,14 @@
 // MoeExperts / MoeExpertsFp8 / MoeExpertsFp4: ORT glue for kernels/moe_experts.h. Checks the routing inputs (both
 // or neither; every index in [0, E)), the stacked weight shapes against x, the scale shapes, and the scale values of
-// the experts this call uses, before the kernel runs.
+// the experts this call uses, before the kernel runs. Scales that are constant initializers are checked whole (every
+// expert) once, when the kernel is created, and not again per call. Expert weights are used in place.
 #include <algorithm>
 #include <string>
 #include <vector>
 
 #include "kernels/moe_experts.h"
 #include "ops/kernel_api.h"
+#include "ops/op_checks.h"
 #include "ops/quant_checks.h"
 
 namespace dsv4::glue {
@@ -26,18 +28,29 @@ class MoeExpertsKernelBase : public Kernel {
   explicit MoeExpertsKernelBase(const KernelInit& init)
       : k_(*init.tables->moe_experts), limit_(init.attrs->Float("swiglu_limit")) {}
 
+  // Validates the constant scale inputs s1, s2, s3 once (all experts); CheckUsedScales then skips those buffers.
+  void CheckConstantScales(const KernelInit& init) {
+    for (int i = 0; i < 3; ++i) {
+      InputView scale;
+      if (init.constants != nullptr && init.constants->Get(kS1 + i, &scale) && scale.data != nullptr) {
+        CheckScaleValues(scale, 0, scale.numel);
+        checked_scales_[i] = scale.data;
+      }
+    }
+  }
+
  protected:
   struct Routing {
     bool dense = false;
     int64_t top_k = 1;
-    std::vector<bool> used;  // per expert
+    std::vector<int64_t> used;  // the experts this call reads, ascending (never sized by E: empty weights leave E
+                                // unbounded)
   };
 
   // Validates weights/indices against x and E; returns which experts this call reads.
   static Routing CheckRouting(const ComputeContext& ctx, int64_t experts) {
     const InputView &x = ctx.Input(kX), &weights = ctx.Input(kWeights), &indices = ctx.Input(kIndices);
     Routing r;
-    r.used.assign(static_cast<size_t>(experts), false);
     const int64_t tokens = x.dim(0);
     if (weights.present != indices.present) {
       Fail("'weights' and 'indices' must be both present (routed experts) or both absent (dense MLP), got only '",
@@ -48,7 +61,7 @@ class MoeExpertsKernelBase : public Kernel {
         Fail("dense-MLP mode (no weights/indices) needs exactly one expert, but the weights hold E=", experts);
       }
       r.dense = true;
-      r.used[0] = tokens > 0;
+      if (tokens > 0) r.used.push_back(0);
       return r;
     }
     r.top_k = indices.dim(1);
@@ -61,15 +74,18 @@ class MoeExpertsKernelBase : public Kernel {
            ShapeString(weights.shape));
     }
     const int64_t* idx = indices.as<int64_t>();
-    for (int64_t t = 0; t < tokens; ++t) {
+    // (With top_k = 0 the indices are empty and `tokens` may be any number: no per-token loop.)
+    for (int64_t t = 0; t < tokens && r.top_k > 0; ++t) {
       for (int64_t j = 0; j < r.top_k; ++j) {
         const int64_t e = idx[t * r.top_k + j];
         if (e < 0 || e >= experts) {
           Fail("indices[", t, ", ", j, "]=", e, " (token ", t, ") is outside [0, ", experts, ")");
         }
-        r.used[static_cast<size_t>(e)] = true;
+        r.used.push_back(e);
       }
     }
+    std::sort(r.used.begin(), r.used.end());
+    r.used.erase(std::unique(r.used.begin(), r.used.end()), r.used.end());
     return r;
   }
 
@@ -92,12 +108,13 @@ class MoeExpertsKernelBase : public Kernel {
     return experts;
   }
 
-  // Scale values of every used expert of a stacked scale tensor [E, ...].
-  static void CheckUsedScales(const InputView& scale, const std::vector<bool>& used) {
-    const int64_t per_expert = scale.numel / scale.dim(0);
-    for (int64_t e = 0; e < static_cast<int64_t>(used.size()); ++e) {
-      if (used[static_cast<size_t>(e)]) CheckScaleValues(scale, e * per_expert, (e + 1) * per_expert);
+  // Scale values of every used expert of a stacked scale tensor [E, ...] (unless validated at creation).
+  void CheckUsedScales(const InputView& scale, const std::vector<int64_t>& used) const {
+    for (const void* checked : checked_scales_) {
+      if (checked != nullptr && checked == scale.data) return;
     }
+    const int64_t per_expert = scale.numel / scale.dim(0);
+    for (const int64_t e : used) CheckScaleValues(scale, e * per_expert, (e + 1) * per_expert);
   }
 
   void Run(ComputeContext& ctx, const ExpertWeights& w, const Routing& r, MoeExpertsF32Fn f32,
@@ -108,7 +125,9 @@ class MoeExpertsKernelBase : public Kernel {
     if (tokens == 0 || x.dim(1) == 0) return;
     const float* wt = r.dense ? nullptr : weights.as<float>();
     const int64_t* idx = r.dense ? nullptr : indices.as<int64_t>();
-    if (r.top_k == 0) {  // no expert per token: y = 0
+    // No expert per token, or experts without intermediate units (I = 0): y = 0. The kernels are not called, so E
+    // (unbounded when the weights are empty) never sizes their buffers.
+    if (r.top_k == 0 || w.w1.rows == 0) {
       if (x.dtype == kBFloat16) {
         std::fill_n(static_cast<uint16_t*>(y), x.numel, uint16_t{0});
       } else {
@@ -134,6 +153,7 @@ class MoeExpertsKernelBase : public Kernel {
 
   const MoeExpertsKernels& k_;
   const float limit_;
+  const void* checked_scales_[3] = {nullptr, nullptr, nullptr};  // constant s1, s2, s3 validated at creation
 };
 
 class MoeExpertsKernel final : public MoeExpertsKernelBase {
@@ -157,7 +177,9 @@ class MoeExpertsKernel final : public MoeExpertsKernelBase {
 class MoeExpertsFp8Kernel final : public MoeExpertsKernelBase {
  public:
   explicit MoeExpertsFp8Kernel(const KernelInit& init)
-      : MoeExpertsKernelBase(init), block_(init.attrs->Int("block_size")) {}
+      : MoeExpertsKernelBase(init), block_(init.attrs->Int("block_size")) {
+    CheckConstantScales(init);
+  }
 
   void Compute(ComputeContext& ctx) override {
     int64_t dim, inter;
@@ -173,19 +195,21 @@ class MoeExpertsFp8Kernel final : public MoeExpertsKernelBase {
     for (const InputView* s : {&s1, &s2, &s3}) CheckUsedScales(*s, r.used);
     const ScaleFormat sf = s1.dtype == kUint8 ? ScaleFormat::kE8M0 : ScaleFormat::kF32;
     ExpertWeights w;
-    w.w1 = Quantised(ctx.Input(kW1), s1, sf, inter, dim);
-    w.w2 = Quantised(ctx.Input(kW2), s2, sf, dim, inter);
-    w.w3 = Quantised(ctx.Input(kW3), s3, sf, inter, dim);
+    const int64_t block = KernelBlock(block_, inter, dim);
+    w.w1 = Quantised(ctx.Input(kW1), s1, sf, inter, dim, block);
+    w.w2 = Quantised(ctx.Input(kW2), s2, sf, dim, inter, block);
+    w.w3 = Quantised(ctx.Input(kW3), s3, sf, inter, dim, block);
     w.num_experts = experts;
     Run(ctx, w, r, k_.f32_fp8, k_.bf16_fp8);
   }
 
  private:
-  WeightView Quantised(const InputView& t, const InputView& s, ScaleFormat sf, int64_t rows, int64_t cols) const {
+  static WeightView Quantised(const InputView& t, const InputView& s, ScaleFormat sf, int64_t rows, int64_t cols,
+                              int64_t block) {
     WeightView w = View(t, WeightFormat::kFp8E4M3, rows, cols);
     w.scale = s.data;
     w.scale_format = sf;
-    w.block = block_;
+    w.block = block;
     return w;
   }
 
@@ -194,12 +218,12 @@ class MoeExpertsFp8Kernel final : public MoeExpertsKernelBase {
 
 class MoeExpertsFp4Kernel final : public MoeExpertsKernelBase {
  public:
-  using MoeExpertsKernelBase::MoeExpertsKernelBase;
+  explicit MoeExpertsFp4Kernel(const KernelInit& init) : MoeExpertsKernelBase(init) { CheckConstantScales(init); }
 
   void Compute(ComputeContext& ctx) override {
     const InputView &w1 = ctx.Input(kW1), &w2 = ctx.Input(kW2);
-    CheckFp4Width(w1, 2 * w1.dim(2), "d");
-    CheckFp4Width(w2, 2 * w2.dim(2), "I");
+    CheckFp4Width(w1, CheckedMul(2, w1.dim(2), "d = 2 * the packed w1 columns"), "d");
+    CheckFp4Width(w2, CheckedMul(2, w2.dim(2), "I = 2 * the packed w2 columns"), "I");
     int64_t dim, inter;
     const int64_t experts = CheckWeights(ctx, 2, &dim, &inter);
     const InputView &s1 = ctx.Input(kS1), &s2 = ctx.Input(kS2), &s3 = ctx.Input(kS3);

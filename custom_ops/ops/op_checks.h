@@ -1,6 +1,6 @@
 // Validation and state-buffer helpers shared by the attention-side op classes (norm_rope_op.cc, compressor_op.cc,
-// indexer_op.cc, sparse_attention_op.cc). Every failure throws OpError naming the input and the limit; the glue
-// prefixes the op name.
+// indexer_op.cc, sparse_attention_op.cc), plus the overflow-checked dimension product every op class uses. Every
+// failure throws OpError naming the input and the limit; the glue prefixes the op name.
 #pragma once
 
 #include <cstdint>
@@ -15,6 +15,15 @@ namespace dsv4::glue {
 
 // Largest accepted position: start_pos + S must stay far from int64 overflow in index arithmetic.
 constexpr int64_t kMaxPosition = int64_t{1} << 48;
+
+// a * b for dimension arithmetic. An input may carry any dimension up to INT64_MAX when another of its dimensions
+// is 0 (an empty tensor), and attributes are unbounded, so a product of a dimension with a factor can overflow:
+// that is an error naming `what`, never undefined behaviour.
+inline int64_t CheckedMul(int64_t a, int64_t b, const char* what) {
+  int64_t r = 0;
+  if (__builtin_mul_overflow(a, b, &r)) Fail(what, " = ", a, " * ", b, " overflows int64");
+  return r;
+}
 
 inline void RequireShape(const InputView& t, const std::vector<int64_t>& want) {
   if (t.shape != want) Fail("input '", t.name, "' must have shape ", ShapeString(want), ", got ", ShapeString(t.shape));

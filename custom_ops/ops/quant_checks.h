@@ -14,8 +14,17 @@
 
 namespace dsv4::glue {
 
-// Number of blocks of size b covering a.
-inline int64_t BlockCount(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// Number of blocks of size b (>= 1) covering a (>= 0); no intermediate overflows, whatever a and b.
+inline int64_t BlockCount(int64_t a, int64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
+
+// The FP8 block size handed to the kernels for a [rows, cols] weight. A block_size beyond any real dimension
+// (2^31) covers the whole weight in one block, as one of max(rows, cols) does: the same scale indices, while the
+// kernels' own block arithmetic (ceil(cols / b), ...) cannot overflow for any block_size a model gives.
+inline int64_t KernelBlock(int64_t block_size, int64_t rows, int64_t cols) {
+  constexpr int64_t kLargestBlock = int64_t{1} << 31;
+  if (block_size <= kLargestBlock) return block_size;
+  return rows > cols ? (rows > 1 ? rows : 1) : (cols > 1 ? cols : 1);
+}
 
 // "[i, j, ...]" of flat index `flat` in a row-major tensor of `shape`.
 inline std::string IndexString(const std::vector<int64_t>& shape, int64_t flat) {

@@ -9,6 +9,7 @@
 #include "kernels/hyper_connection.h"
 #include "kernels/indexer.h"
 #include "kernels/linear.h"
+#include "kernels/linear_blocks.h"
 #include "kernels/moe_experts.h"
 #include "kernels/moe_routing.h"
 #include "kernels/norm_rope.h"
@@ -34,12 +35,20 @@ const Variants<HyperConnectionKernels> kHyperConnectionVariants = {
     nullptr};
 const Variants<GemmBf16Kernels> kGemmBf16Variants = {&ref::kGemmBf16, nullptr, nullptr,
                                                      DSV4_X86_TABLE(amx, kGemmBf16)};
-const Variants<NormRopeKernels> kNormRopeVariants = {&ref::kNormRope, nullptr, nullptr, nullptr};
-const Variants<CompressorKernels> kCompressorVariants = {&ref::kCompressor, nullptr, nullptr, nullptr};
-const Variants<IndexerKernels> kIndexerVariants = {&ref::kIndexer, nullptr, nullptr, nullptr};
-const Variants<SparseAttentionKernels> kSparseAttentionVariants = {&ref::kSparseAttention, nullptr, nullptr, nullptr};
-const Variants<LinearKernels> kLinearVariants = {&ref::kLinear, nullptr, nullptr, nullptr};
-const Variants<MoeExpertsKernels> kMoeExpertsVariants = {&ref::kMoeExperts, nullptr, nullptr, nullptr};
+const Variants<NormRopeKernels> kNormRopeVariants = {&ref::kNormRope, DSV4_X86_TABLE(avx2, kNormRope),
+                                                     DSV4_X86_TABLE(avx512, kNormRope), nullptr};
+const Variants<CompressorKernels> kCompressorVariants = {&ref::kCompressor, DSV4_X86_TABLE(avx2, kCompressor),
+                                                         DSV4_X86_TABLE(avx512, kCompressor), nullptr};
+const Variants<IndexerKernels> kIndexerVariants = {&ref::kIndexer, DSV4_X86_TABLE(avx2, kIndexer),
+                                                   DSV4_X86_TABLE(avx512, kIndexer), DSV4_X86_TABLE(amx, kIndexer)};
+const Variants<SparseAttentionKernels> kSparseAttentionVariants = {
+    &ref::kSparseAttention, DSV4_X86_TABLE(avx2, kSparseAttention), DSV4_X86_TABLE(avx512, kSparseAttention),
+    DSV4_X86_TABLE(amx, kSparseAttention)};
+const Variants<LinearKernels> kLinearVariants = {&ref::kLinear, DSV4_X86_TABLE(avx2, kLinear),
+                                                 DSV4_X86_TABLE(avx512, kLinear), DSV4_X86_TABLE(amx, kLinear)};
+const Variants<MoeExpertsKernels> kMoeExpertsVariants = {&ref::kMoeExperts, DSV4_X86_TABLE(avx2, kMoeExperts),
+                                                         DSV4_X86_TABLE(avx512, kMoeExperts),
+                                                         DSV4_X86_TABLE(amx, kMoeExperts)};
 
 template <class T>
 void Pick(const Variants<T>& variants, IsaLevel level, const T** table, IsaLevel* chosen) {

@@ -165,6 +165,57 @@ def run_op_inplace(op: str, inputs: dict, alias: dict, attrs: dict | None = None
     return [bf16_to_f32(b) if t == TensorProto.BFLOAT16 else np.array(b) for b, t in zip(outs, out_types)]
 
 
+def run_op_const(op: str, inputs: dict, constants: tuple, attrs: dict | None = None, isa: str | None = None,
+                 threads: int = 2) -> list:
+    """Like :func:`run_op`, but the inputs named in ``constants`` are constant initializers of the model (as exported
+    weights are) instead of graph inputs, so kernels see them at creation. Errors at session creation propagate."""
+    from onnx import numpy_helper
+
+    attrs = attrs or {}
+    spec = schema.get(op)
+    out_types = []
+    for o in spec.outputs:
+        if o.type in spec.type_constraints:
+            src = next(i for i in spec.inputs if i.type == o.type and inputs.get(i.name) is not None)
+            out_types.append(onnx_type(inputs[src.name]))
+        else:
+            out_types.append(schema.ONNX_TYPES[o.type])
+    model = onnx.ModelProto()
+    model.ParseFromString(one_node_model(op, inputs, out_types, attrs))
+    kept = [i for i in model.graph.input if i.name not in constants]
+    del model.graph.input[:]
+    model.graph.input.extend(kept)
+    for name in constants:
+        a = inputs[name]
+        t = numpy_helper.from_array(np.ascontiguousarray(np.asarray(a).view(np.uint16) if isinstance(a, BF16)
+                                                         else np.asarray(a)), name)
+        t.data_type = onnx_type(a)
+        model.graph.initializer.append(t)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.log_severity_level = 3
+    with dsv4_ort.isa_cap(isa):
+        dsv4_ort.register(so)
+        sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    shapes = schema.infer_output_shapes(op, [np.shape(inputs[i.name]) if inputs.get(i.name) is not None else None
+                                             for i in spec.inputs], attrs)
+    io = sess.io_binding()
+    for name, a in inputs.items():
+        if a is None or name in constants:
+            continue
+        arr = np.ascontiguousarray(a)
+        io.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+            arr.view(np.uint16) if isinstance(a, BF16) else arr, onnx_type(a)))
+    outs = []
+    for o, t, shape in zip(spec.outputs, out_types, shapes):
+        buf = np.empty(shape, {TensorProto.FLOAT: np.float32, TensorProto.INT64: np.int64,
+                               TensorProto.BFLOAT16: np.uint16}[t])
+        io.bind_output(o.name, "cpu", 0, t, list(shape), buf.ctypes.data)
+        outs.append(buf)
+    sess.run_with_iobinding(io)
+    return [bf16_to_f32(b) if t == TensorProto.BFLOAT16 else b for b, t in zip(outs, out_types)]
+
+
 def session_error(op: str, inputs: dict, attrs: dict | None = None, isa: str | None = None) -> str:
     """Runs op expecting a failure (at session creation or run); returns the error text."""
     try:
@@ -174,4 +225,5 @@ def session_error(op: str, inputs: dict, attrs: dict | None = None, isa: str | N
     raise AssertionError(f"{op} accepted invalid input")
 
 
-__all__ = ["bf16", "bf16_to_f32", "fp8_e4m3", "run_op", "run_op_inplace", "session_error", "one_node_model", "onnx"]
+__all__ = ["bf16", "bf16_to_f32", "fp8_e4m3", "run_op", "run_op_const", "run_op_inplace", "session_error",
+           "one_node_model", "onnx"]

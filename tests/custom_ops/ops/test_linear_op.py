@@ -4,7 +4,7 @@ every ISA level."""
 import numpy as np
 import pytest
 import torch
-from onnx_helpers import bf16, bf16_to_f32, fp8_e4m3, run_op, session_error
+from onnx_helpers import bf16, bf16_to_f32, fp8_e4m3, run_op, run_op_const, session_error
 from weight_formats import FORMATS, SUFFIX, make_weight
 
 from testutil import tol
@@ -111,6 +111,38 @@ def test_linear_groups_is_grouped_out_proj(isa, dtype):
     y = run_linear(fmt, x.reshape(b, s, h * d), wt, groups=g, isa=isa)
     ref = F.grouped_out_proj(ot, wt.torch_args[0], torch.eye(g * dg, dtype=ot.dtype), n_groups=g)
     check(y, ref, dtype)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_linear_constant_weights(isa, fmt, dtype):
+    """Weight and scale as constant initializers (as exported): the same output as when they are fed as inputs."""
+    rng = np.random.default_rng(60 + FORMATS.index(fmt))
+    x, xt = activations(rng, (2, 11, 96), dtype)
+    wt = make_weight(random_weight(rng, 70, 96), fmt, 32, seed=4)
+    inputs = {"x": x, "weight": wt.data}
+    attrs = {"block_size": 32} if fmt.startswith("fp8") else {}
+    if wt.scale is not None:
+        inputs["scale"] = wt.scale
+    y = run_op_const("Linear" + SUFFIX[fmt], inputs, tuple(n for n in inputs if n != "x"), attrs, isa)[0]
+    np.testing.assert_array_equal(y, run_linear(fmt, x, wt, block=32, isa=isa))
+    check(y, reference(xt, wt, 1, 32), dtype)
+
+
+@pytest.mark.parametrize("op", ["LinearFp8", "LinearFp4"])
+def test_linear_constant_nan_scale_fails_at_creation(op):
+    """A constant scale is validated once, when the session is created, with the per-call message."""
+    if op == "LinearFp8":
+        inputs = {"x": np.zeros((1, 200), np.float32), "weight": fp8_e4m3(np.zeros((130, 200), np.uint8)),
+                  "scale": np.full((2, 2), 127, np.uint8)}
+        inputs["scale"][1, 0] = 0xFF
+    else:
+        inputs = {"x": np.zeros((1, 64), np.float32), "weight": np.zeros((3, 32), np.uint8),
+                  "scale": np.full((3, 2), 127, np.uint8)}
+        inputs["scale"][1, 0] = 0xFF
+    with pytest.raises(Exception) as e:
+        run_op_const(op, inputs, ("weight", "scale"))
+    assert op in str(e.value) and "'scale'" in str(e.value) and "0xFF" in str(e.value) and "[1, 0]" in str(e.value)
 
 
 def test_linear_fp8_nan_code_propagates(isa):

@@ -4,7 +4,7 @@ built with models.quant), every ISA level."""
 import numpy as np
 import pytest
 import torch
-from onnx_helpers import bf16, bf16_to_f32, run_op, session_error
+from onnx_helpers import bf16, bf16_to_f32, run_op, run_op_const, session_error
 from weight_formats import FORMATS, SUFFIX, make_stacked
 
 from testutil import tol
@@ -137,6 +137,24 @@ def test_every_token_on_one_expert(isa):
     check(run_moe("fp4", x, weights, indices, ws, isa=isa), reference(xt, weights, indices, ws), "float32")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_constant_weights(isa, fmt, dtype):
+    """Expert weights and scales as constant initializers (as exported): the same output as when fed as inputs."""
+    rng = np.random.default_rng(90 + FORMATS.index(fmt))
+    x, xt = activations(rng, 13, 64, dtype)
+    weights, indices = routing(rng, 13, 5, 2)
+    ws = expert_weights(rng, 5, 96, 64, fmt, 32)
+    inputs = {"x": x, "weights": weights, "indices": indices, "w1": ws[0].data, "w2": ws[1].data, "w3": ws[2].data}
+    attrs = {"block_size": 32} if fmt.startswith("fp8") else {}
+    if ws[0].scale is not None:
+        inputs.update(s1=ws[0].scale, s2=ws[1].scale, s3=ws[2].scale)
+    consts = tuple(n for n in inputs if n.startswith(("w", "s")) and n != "weights")
+    y = run_op_const("MoeExperts" + SUFFIX[fmt], inputs, consts, attrs, isa)[0]
+    np.testing.assert_array_equal(y, run_moe(fmt, x, weights, indices, ws, block=32, isa=isa))
+    check(y, reference(xt, weights, indices, ws), dtype)
+
+
 def test_result_independent_of_threads():
     rng = np.random.default_rng(8)
     x, _ = activations(rng, 23, 64, "bfloat16")
@@ -250,6 +268,20 @@ def test_nan_scale_of_unused_expert_is_not_read():
     inputs["s1"][unused[0]] = 0xFF
     (y,) = run_op("MoeExpertsFp8", inputs)
     assert np.isfinite(y).all()
+
+
+def test_constant_nan_scale_fails_at_creation():
+    """Constant scales are validated whole (every expert, used or not) when the session is created."""
+    inputs = fp8_inputs()
+    unused = sorted(set(range(4)) - set(inputs["indices"].ravel().tolist()))
+    if not unused:
+        inputs["indices"][:] = np.array([0, 1])
+        unused = [3]
+    inputs["s1"][unused[0], 0, 1] = 0xFF
+    with pytest.raises(Exception) as e:
+        run_op_const("MoeExpertsFp8", inputs, ("w1", "w2", "w3", "s1", "s2", "s3"))
+    msg = str(e.value)
+    assert "MoeExpertsFp8" in msg and "'s1'" in msg and "0xFF" in msg and f"[{unused[0]}, 0, 1]" in msg
 
 
 def fp4_inputs(dim=64, inter=96, **override):

@@ -1,0 +1,26 @@
+// AVX2 Compressor step (compressor.h) on 8-lane vectors; the algorithm is in compressor_simd.inc. Entries match
+// compressor_ref.cc within a few fp32 ulps (bf16 entries: one bf16 ulp, rarely); the state is bit-identical.
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "custom_ops/kernels/compressor.h"
+#include "custom_ops/numerics/bf16.h"
+#include "custom_ops/platform/thread_scratch.h"
+
+namespace dsv4 {
+namespace avx2 {
+namespace {
+
+#include "custom_ops/kernels/simd_avx2.inc"
+
+#include "custom_ops/kernels/compressor_simd.inc"
+
+}  // namespace
+
+const CompressorKernels kCompressor = {&StepF32, &StepBf16};
+
+}  // namespace avx2
+}  // namespace dsv4

@@ -1,0 +1,371 @@
+// AVX2 + FMA (+F16C) blocks of the Linear and MoE expert kernels (linear_blocks.h): the rows path only, all in
+// fp32. Must match linear_ref.cc up to summation order (8 fp32 lanes, one fixed horizontal sum per output); the
+// weights decode to exactly the reference values, bf16 activations are widened exactly and meet the weights
+// rounded to bf16 as the reference does (nearest-even, denormals kept).
+//
+// Inner loop: two or four weight rows against up to four activation rows, K in the lanes, one FMA per 8 columns:
+//   bf16 weight rows (read in place) are widened in registers, the even columns of a 16-column chunk by a shift and
+//   the odd ones by a mask, so the activations are prepared as [8 even, 8 odd] per chunk;
+//   fp32 rows (fp32 weights in place, everything else decoded four or 64 rows at a time into scratch) against
+//   activations in the same column order as the decoded row.
+// Decoding: FP8 E4M3 through the fp16 encoding of code * 2^-8 (exact for every code, NaN codes replaced) and
+// VCVTPH2PS, times 2^8, times the scale (one rounding, as the reference); FP4 E2M1 through an 8-entry magnitude
+// table times the block's scale (VPERMPS on the low 3 bits) and the sign bit, written as [8 even, 8 odd] columns
+// per 16, the layout the activations then follow.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#include <immintrin.h>
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "custom_ops/kernels/linear_blocks.h"
+#include "custom_ops/numerics/bf16.h"
+#include "custom_ops/numerics/fp4.h"
+#include "custom_ops/numerics/fp8.h"
+
+namespace dsv4 {
+namespace avx2 {
+namespace {
+
+enum class RowKind { kBf16Direct, kF32Direct, kF32Decoded };
+
+RowKind KindOf(ActType act, const WeightView& w) {
+  if (w.format == WeightFormat::kBf16) return RowKind::kBf16Direct;
+  if (w.format == WeightFormat::kF32 && act == ActType::kF32) return RowKind::kF32Direct;
+  return RowKind::kF32Decoded;
+}
+
+// Activation layout: [8 even, 8 odd] per 16 columns for bf16 rows and decoded FP4 rows, column order otherwise.
+bool EvenOdd(ActType act, const WeightView& w) {
+  const RowKind kind = KindOf(act, w);
+  return kind == RowKind::kBf16Direct || (kind == RowKind::kF32Decoded && w.format == WeightFormat::kFp4E2M1);
+}
+
+// Whether decoded values must be rounded to bf16 (bf16 activations and a format not exact in bf16).
+bool RoundDecoded(ActType act, const WeightView& w) {
+  return act == ActType::kBf16 &&
+         (w.format == WeightFormat::kF32 || (w.format == WeightFormat::kFp8E4M3 && w.scale_format == ScaleFormat::kF32));
+}
+
+int64_t Pad32(int64_t c) { return (c + 31) / 32 * 32; }
+
+float Hsum(__m256 v) {
+  __m128 b = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  b = _mm_add_ss(b, _mm_movehdup_ps(b));
+  return _mm_cvtss_f32(b);
+}
+
+// Lane mask for the first n (0..8) lanes.
+__m256i LaneMask(int64_t n) {
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n < 0 ? 0 : n > 8 ? 8 : n)), idx);
+}
+
+// fp32 -> value rounded to bf16 (nearest-even, denormals kept, NaN quietened), as fp32.
+__m256 RoundBf16(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
+  __m256i r = _mm256_and_si256(_mm256_add_epi32(u, bias), _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __m256i quiet = _mm256_or_si256(_mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0xffff0000u))),
+                                        _mm256_set1_epi32(0x00400000));
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  r = _mm256_blendv_epi8(r, quiet, _mm256_castps_si256(nan));
+  return _mm256_castsi256_ps(r);
+}
+
+// 16 E4M3 codes -> code * 2^-8 as fp32 (columns 0..7, 8..15); exact, NaN codes give NaN.
+void Fp8ToF32(__m128i codes, __m256* lo, __m256* hi) {
+  const __m256i w = _mm256_cvtepu8_epi16(codes);
+  __m256i h = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(w, 8), 1), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+  const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), _mm256_set1_epi16(0x7F));
+  h = _mm256_blendv_epi8(h, _mm256_set1_epi16(0x7E00), nan);
+  *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+
+// Bytes ahead that the decode loops prefetch (one prefetch per 64 bytes read).
+constexpr int64_t kPrefetchBytes = 2048;
+
+// FP8 row `row`: 16 columns at a time (scale blocks are multiples of 16 columns), exact fp32 values.
+void DecodeFp8Row(const WeightView& w, int64_t row, int64_t scale_row, int64_t kp, bool round, float* out) {
+  const uint8_t* src = static_cast<const uint8_t*>(w.data) + row * w.cols;
+  const __m256 two8 = _mm256_set1_ps(256.0f);
+  int64_t k = 0;
+  for (int64_t b = 0; k < w.cols; ++b) {
+    const int64_t s = scale_row + b;
+    const float scale = w.scale_format == ScaleFormat::kE8M0 ? E8M0ToF32(static_cast<const uint8_t*>(w.scale)[s])
+                                                             : static_cast<const float*>(w.scale)[s];
+    const __m256 sv = _mm256_set1_ps(scale);
+    const int64_t block_end = (b + 1) * w.block < w.cols ? (b + 1) * w.block : w.cols;
+    for (; k < block_end; k += 16) {
+      if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(src + k + kPrefetchBytes), _MM_HINT_T0);
+      __m128i codes;
+      if (block_end - k >= 16) {
+        codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k));
+      } else {
+        alignas(16) uint8_t tail[16] = {};
+        std::memcpy(tail, src + k, static_cast<size_t>(block_end - k));
+        codes = _mm_load_si128(reinterpret_cast<const __m128i*>(tail));
+      }
+      __m256 a, c;
+      Fp8ToF32(codes, &a, &c);
+      a = _mm256_mul_ps(_mm256_mul_ps(a, two8), sv);  // code * 2^-8 * 2^8 exactly, then one rounding
+      c = _mm256_mul_ps(_mm256_mul_ps(c, two8), sv);
+      if (round) {
+        a = RoundBf16(a);
+        c = RoundBf16(c);
+      }
+      _mm256_storeu_ps(out + k, a);
+      _mm256_storeu_ps(out + k + 8, c);
+    }
+  }
+  for (k = (w.cols + 15) / 16 * 16; k < kp; k += 8) _mm256_storeu_ps(out + k, _mm256_setzero_ps());
+}
+
+// FP4 row `row` (whole 32-column blocks): columns as [8 even, 8 odd] per 16.
+void DecodeFp4Row(const WeightView& w, int64_t row, int64_t kp, float* out) {
+  const uint8_t* src = static_cast<const uint8_t*>(w.data) + row * (w.cols / 2);
+  const uint8_t* scales = static_cast<const uint8_t*>(w.scale) + row * (w.cols / kFp4Block);
+  const __m256 magnitudes = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+  const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  for (int64_t k = 0; k < w.cols; k += 32) {
+    if ((k & 127) == 0) _mm_prefetch(reinterpret_cast<const char*>(src + k / 2 + kPrefetchBytes), _MM_HINT_T0);
+    const __m256 table = _mm256_mul_ps(magnitudes, _mm256_set1_ps(E8M0ToF32(scales[k / kFp4Block])));
+    for (int64_t h = 0; h < 2; ++h) {  // 8 bytes = 16 codes each
+      const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + k / 2 + 8 * h)));
+      const __m256 even = _mm256_xor_ps(_mm256_permutevar8x32_ps(table, d),
+                                        _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(d, 28), sign)));
+      const __m256 odd = _mm256_xor_ps(_mm256_permutevar8x32_ps(table, _mm256_srli_epi32(d, 4)),
+                                       _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(d, 24), sign)));
+      _mm256_storeu_ps(out + k + 16 * h, even);
+      _mm256_storeu_ps(out + k + 16 * h + 8, odd);
+    }
+  }
+  for (int64_t k = w.cols; k < kp; k += 8) _mm256_storeu_ps(out + k, _mm256_setzero_ps());
+}
+
+// fp32 weights (bf16 activations: rounded to bf16).
+void DecodeF32Row(const WeightView& w, int64_t row, int64_t kp, float* out) {
+  const float* src = static_cast<const float*>(w.data) + row * w.cols;
+  for (int64_t k = 0; k < kp; k += 8) {
+    const __m256 v = k < w.cols ? _mm256_maskload_ps(src + k, LaneMask(w.cols - k)) : _mm256_setzero_ps();
+    _mm256_storeu_ps(out + k, RoundBf16(v));
+  }
+}
+
+// Rows [n0, n0 + rows) decoded to fp32 (kp columns, zero tail, layout as EvenOdd()).
+void DecodeRows(ActType act, const WeightView& w, int64_t n0, int64_t rows, int64_t kp, float* dst) {
+  const bool round = RoundDecoded(act, w);
+  const int64_t block = w.block > 0 ? w.block : 1;
+  int64_t row_block = n0 / block, row_in_block = n0 % block;  // FP8 scale row, advanced without divisions
+  const int64_t scale_cols = (w.cols + block - 1) / block;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = n0 + r;
+    float* out = dst + r * kp;
+    if (row >= w.rows) {
+      std::memset(out, 0, static_cast<size_t>(kp) * sizeof(float));
+    } else if (w.format == WeightFormat::kFp8E4M3) {
+      DecodeFp8Row(w, row, row_block * scale_cols, kp, round, out);
+    } else if (w.format == WeightFormat::kFp4E2M1) {
+      DecodeFp4Row(w, row, kp, out);
+    } else {
+      DecodeF32Row(w, row, kp, out);
+    }
+    if (++row_in_block == block) {
+      row_in_block = 0;
+      ++row_block;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Inner loops: res[i][q] = sum_k x_i[k] w_q[k], R weight rows, MR activation rows.
+
+template <int R, int MR>
+void DotBf16Rows(const uint16_t* const* w, int64_t kw, const float* x, int64_t xs, float res[][4]) {
+  __m256 acc[MR][R];
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < R; ++q) acc[i][q] = _mm256_setzero_ps();
+  const __m256i odd_mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k = 0; k < kw; k += 16) {
+    __m256 we[R], wo[R];
+    for (int q = 0; q < R; ++q) {
+      __m256i v;
+      if (k + 16 <= kw) {
+        v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[q] + k));
+      } else {
+        alignas(32) uint16_t tail[16] = {};
+        std::memcpy(tail, w[q] + k, static_cast<size_t>(kw - k) * sizeof(uint16_t));
+        v = _mm256_load_si256(reinterpret_cast<const __m256i*>(tail));
+      }
+      we[q] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      wo[q] = _mm256_castsi256_ps(_mm256_and_si256(v, odd_mask));
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xe = _mm256_loadu_ps(x + i * xs + k), xo = _mm256_loadu_ps(x + i * xs + k + 8);
+      for (int q = 0; q < R; ++q) {
+        acc[i][q] = _mm256_fmadd_ps(we[q], xe, acc[i][q]);
+        acc[i][q] = _mm256_fmadd_ps(wo[q], xo, acc[i][q]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < R; ++q) res[i][q] = Hsum(acc[i][q]);
+}
+
+template <int R, int MR>
+void DotF32Rows(const float* const* w, int64_t kw, const float* x, int64_t xs, float res[][4]) {
+  __m256 acc[MR][R];
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < R; ++q) acc[i][q] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < kw; k += 8) {
+    __m256 a[R];
+    if (k + 8 <= kw) {
+      for (int q = 0; q < R; ++q) a[q] = _mm256_loadu_ps(w[q] + k);
+    } else {
+      const __m256i mask = LaneMask(kw - k);
+      for (int q = 0; q < R; ++q) a[q] = _mm256_maskload_ps(w[q] + k, mask);
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x + i * xs + k);
+      for (int q = 0; q < R; ++q) acc[i][q] = _mm256_fmadd_ps(a[q], xv, acc[i][q]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < R; ++q) res[i][q] = Hsum(acc[i][q]);
+}
+
+// Four weight rows (two passes of two when MR > 1, to stay within 16 registers).
+template <class W>
+void Dot(int mr, const W* const* w, int64_t kw, const float* x, int64_t xs, float res[][4]) {
+  constexpr bool kBf16 = sizeof(W) == 2;
+  if (mr == 1) {
+    if constexpr (kBf16) {
+      DotBf16Rows<4, 1>(w, kw, x, xs, res);
+    } else {
+      DotF32Rows<4, 1>(w, kw, x, xs, res);
+    }
+    return;
+  }
+  for (int half = 0; half < 2; ++half) {
+    float part[4][4];
+    const W* const* wh = w + 2 * half;
+    switch (mr) {
+      case 2:
+        if constexpr (kBf16) DotBf16Rows<2, 2>(wh, kw, x, xs, part); else DotF32Rows<2, 2>(wh, kw, x, xs, part);
+        break;
+      case 3:
+        if constexpr (kBf16) DotBf16Rows<2, 3>(wh, kw, x, xs, part); else DotF32Rows<2, 3>(wh, kw, x, xs, part);
+        break;
+      default:
+        if constexpr (kBf16) DotBf16Rows<2, 4>(wh, kw, x, xs, part); else DotF32Rows<2, 4>(wh, kw, x, xs, part);
+        break;
+    }
+    for (int i = 0; i < mr; ++i) {
+      res[i][2 * half] = part[i][0];
+      res[i][2 * half + 1] = part[i][1];
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// LinearBlocks.
+
+bool RowsSupported(ActType, const WeightView& w) {
+  return w.format != WeightFormat::kFp8E4M3 || (w.block > 0 && w.block % 16 == 0);
+}
+
+size_t RowBytes(ActType, const WeightView& w) { return static_cast<size_t>(Pad32(w.cols)) * sizeof(float); }
+
+void PrepareRows(ActType act, const WeightView& w, const void* x, int64_t ldx, const int64_t* index, int64_t m,
+                 void* dst) {
+  const int64_t kw = w.cols, kp = Pad32(kw);
+  const bool even_odd = EvenOdd(act, w);
+  for (int64_t i = 0; i < m; ++i) {
+    const int64_t src = index != nullptr ? index[i] : i;
+    float* out = static_cast<float*>(dst) + i * kp;
+    for (int64_t k = 0; k < kp; ++k) {
+      float v = 0.0f;
+      if (k < kw) {
+        v = act == ActType::kF32 ? static_cast<const float*>(x)[src * ldx + k]
+                                 : Bf16ToF32(static_cast<const uint16_t*>(x)[src * ldx + k]);
+      }
+      const int64_t c = k % 16;
+      const int64_t at = even_odd ? k - c + (c % 2) * 8 + c / 2 : k;
+      out[at] = v;
+    }
+  }
+}
+
+int64_t RowBlock(int64_t m) { return m <= 4 ? 4 : 64; }
+
+size_t RowsScratch(ActType act, const WeightView& w, int64_t m) {
+  if (KindOf(act, w) != RowKind::kF32Decoded) return 0;
+  return static_cast<size_t>(RowBlock(m) * Pad32(w.cols)) * sizeof(float);
+}
+
+template <class W>
+void RowsBlock(const W* base, int64_t stride, int64_t rows, int64_t kw, const float* x, int64_t xs, int64_t m,
+               const MatOut& out, int64_t col0) {
+  for (int64_t m0 = 0; m0 < m; m0 += 4) {
+    const int mr = static_cast<int>(m - m0 < 4 ? m - m0 : 4);
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const W* w[4];
+      for (int q = 0; q < 4; ++q) w[q] = base + (r0 + q < rows ? r0 + q : rows - 1) * stride;
+      float res[4][4];
+      Dot(mr, w, kw, x + m0 * xs, xs, res);
+      const int64_t cols = rows - r0 < 4 ? rows - r0 : 4;
+      for (int i = 0; i < mr; ++i) {
+        for (int64_t q = 0; q < cols; ++q) {
+          const int64_t at = (m0 + i) * out.ld + col0 + r0 + q;
+          if (out.bf16) {
+            static_cast<uint16_t*>(out.data)[at] = F32ToBf16(res[i][q]);
+          } else {
+            static_cast<float*>(out.data)[at] = res[i][q];
+          }
+        }
+      }
+    }
+  }
+}
+
+void Rows(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n0, int64_t n1, const MatOut& out,
+          void* scratch) {
+  const RowKind kind = KindOf(act, w);
+  const int64_t kw = w.cols, kp = Pad32(kw), block = RowBlock(m);
+  const float* x = static_cast<const float*>(xp);
+  for (int64_t b0 = n0; b0 < n1; b0 += block) {
+    const int64_t rows = n1 - b0 < block ? n1 - b0 : block;
+    switch (kind) {
+      case RowKind::kBf16Direct:
+        RowsBlock(static_cast<const uint16_t*>(w.data) + b0 * kw, kw, rows, kw, x, kp, m, out, b0 - n0);
+        break;
+      case RowKind::kF32Direct:
+        RowsBlock(static_cast<const float*>(w.data) + b0 * kw, kw, rows, kw, x, kp, m, out, b0 - n0);
+        break;
+      case RowKind::kF32Decoded:
+        DecodeRows(act, w, b0, rows, kp, static_cast<float*>(scratch));
+        RowsBlock(static_cast<const float*>(scratch), kp, rows, kp, x, kp, m, out, b0 - n0);
+        break;
+    }
+  }
+}
+
+}  // namespace
+
+extern const LinearBlocks kLinearBlocks = {
+    "avx2",  RowsSupported, RowBytes, PrepareRows, RowsScratch, Rows, nullptr, nullptr, nullptr, nullptr,
+    nullptr, {0, 0},        0,
+};
+
+}  // namespace avx2
+}  // namespace dsv4

@@ -1,0 +1,812 @@
+// AVX512 (F/BW/VL/DQ + AVX512-BF16) blocks of the Linear and MoE expert kernels (linear_blocks.h): the rows path
+// for every weight format and both activation types, plus the vectorised weight decoding and activation layout
+// that the AMX tiles (linear_amx.cc) use. Must match linear_ref.cc up to summation order: per output, fp32
+// accumulation in 16 lanes (bf16 activations: VDPBF16PS pairs) over K in 32-column steps, then one fixed
+// horizontal sum; weights decode to exactly the reference values (bf16 activations: the same values rounded to
+// bf16 by VCVTNE2PS2BF16, which also flushes denormal weights to zero, as VDPBF16PS does with any denormal input).
+//
+// Inner loop: four weight rows against up to four activation rows (16 fp32 accumulators), K in the lanes:
+//   bf16 activations   one VDPBF16PS per (weight row, activation row) per 32 columns; activations as stored.
+//   fp32 activations   bf16 weight rows are widened in registers: the even columns of a 32-column chunk by a
+//                      16-bit shift, the odd ones by a mask, so the activations are prepared as [16 even columns,
+//                      16 odd columns] per chunk and each chunk takes two FMAs; fp32 weight rows take one FMA per
+//                      16 columns against activations as stored.
+// bf16 and fp32 weights are read in place. Other rows are decoded into scratch first, four at a time when there
+// are at most four activation rows (the decode path: each weight byte read once, the scratch stays in L1/L2) and
+// 64 at a time otherwise (decoded once, reused for every group of four activation rows):
+//   FP8 E4M3  32 codes -> 32 words; (int16)(code << 8) >> 1 with bit 14 cleared is the fp16 encoding of
+//             code * 2^-8 for every code including subnormals (E4M3 and fp16 subnormals line up); the NaN codes
+//             are replaced by an fp16 NaN. VCVTPH2PS widens exactly, VSCALEFPS applies 2^(e - 127 + 8) for an
+//             E8M0 scale byte e (exact, as the reference's multiply by a power of two) or 2^8 followed by a
+//             multiply for fp32 scales (one rounding, as the reference). Needs scale blocks that are multiples
+//             of 32 columns, so a 32-column chunk has one scale.
+//   FP4 E2M1  one 32-value block per 16 bytes: the block's 16 possible bf16 values (a compile-time table per
+//             scale byte: every FP4 value times every E8M0 scale is exact in bf16, denormals included), then VPERMW
+//             with word indices (low nibble, high nibble) per byte yields the 32 values in column order.
+// fp32 activations meet FP4 rows as bf16 (exact) and FP8 rows as fp32 (an FP8 value times a small scale can be a
+// denormal that bf16 cannot hold).
+// Horizontal sums, decoding and stores do not depend on how rows are grouped, so results are independent of the
+// task split.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#include <immintrin.h>
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "custom_ops/kernels/linear_blocks.h"
+#include "custom_ops/numerics/bf16.h"
+#include "custom_ops/numerics/fp4.h"
+
+namespace dsv4 {
+namespace avx512 {
+namespace {
+
+enum class RowKind { kBf16Direct, kF32Direct, kBf16Decoded, kF32Decoded };
+
+RowKind KindOf(ActType act, const WeightView& w) {
+  if (w.format == WeightFormat::kBf16) return RowKind::kBf16Direct;
+  if (act == ActType::kBf16) return RowKind::kBf16Decoded;
+  if (w.format == WeightFormat::kF32) return RowKind::kF32Direct;
+  // fp32 activations need the exact value: FP4 values are exact in bf16 (denormals included: at most two
+  // significant bits), FP8 values (four bits, times any scale) are not always once they are denormal.
+  if (w.format == WeightFormat::kFp4E2M1) return RowKind::kBf16Decoded;
+  return RowKind::kF32Decoded;
+}
+
+bool Bf16Rows(RowKind kind) { return kind == RowKind::kBf16Direct || kind == RowKind::kBf16Decoded; }
+
+// fp32 activations against bf16 rows use the [even, odd] chunk layout.
+bool EvenOddLayout(ActType act, RowKind kind) { return act == ActType::kF32 && Bf16Rows(kind); }
+
+int64_t Pad32(int64_t c) { return (c + 31) / 32 * 32; }
+
+__mmask32 Mask32(int64_t n) {
+  return n >= 32 ? static_cast<__mmask32>(0xffffffffu) : static_cast<__mmask32>((1u << n) - 1u);
+}
+__mmask16 Mask16(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u);
+}
+
+__m512bh AsBh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
+__m512i AsSi(__m512bh v) { return reinterpret_cast<__m512i>(v); }
+
+// Fixed-order horizontal sum (the same for every accumulator, so results do not depend on register blocking).
+float Hsum(__m512 v) {
+  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  b = _mm_add_ss(b, _mm_movehdup_ps(b));
+  return _mm_cvtss_f32(b);
+}
+
+// bf16 words 0..15 / 16..31 of v widened to fp32.
+__m512 WidenLo(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16)); }
+__m512 WidenHi(__m512i v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Weight decoding.
+
+// 32 E4M3 codes -> code * 2^-8 as fp32, columns 0..15 in lo and 16..31 in hi (exact; NaN codes give NaN).
+void Fp8ToF32(__m256i codes, __m512* lo, __m512* hi) {
+  const __m512i w = _mm512_cvtepu8_epi16(codes);
+  __m512i h = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(w, 8), 1), _mm512_set1_epi16(static_cast<short>(0xBFFF)));
+  const __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(w, _mm512_set1_epi16(0x7F)), _mm512_set1_epi16(0x7F));
+  h = _mm512_mask_mov_epi16(h, nan, _mm512_set1_epi16(0x7E00));
+  *lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  *hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+}
+
+// Bytes ahead of the current position that the decode loops prefetch (one prefetch per 64 bytes read): the
+// hardware prefetchers alone keep too few lines in flight for one sequential stream.
+constexpr int64_t kPrefetchBytes = 2048;
+
+// 32 FP8 codes -> exact fp32 W values (columns 0..15, 16..31) for a chunk with scale vector sv (see ForFp8Row).
+void ScaleFp8Chunk(__m256i codes, bool e8m0, __m512 sv, __m512* lo, __m512* hi) {
+  __m512 a, b;
+  Fp8ToF32(codes, &a, &b);
+  if (e8m0) {
+    *lo = _mm512_scalef_ps(a, sv);
+    *hi = _mm512_scalef_ps(b, sv);
+  } else {
+    const __m512 e8 = _mm512_set1_ps(8.0f);
+    *lo = _mm512_mul_ps(_mm512_scalef_ps(a, e8), sv);
+    *hi = _mm512_mul_ps(_mm512_scalef_ps(b, e8), sv);
+  }
+}
+
+// Position of FP8 rows in the scale grid, advanced row by row without divisions.
+struct Fp8Rows {
+  const WeightView& w;
+  int64_t scale_cols, first_block;  // scale columns; block of column k0
+  int64_t row_block, row_in_block;  // block row of the current row, its index inside the block
+  Fp8Rows(const WeightView& view, int64_t row, int64_t k0)
+      : w(view), scale_cols((view.cols + view.block - 1) / view.block), first_block(k0 / view.block),
+        row_block(row / view.block), row_in_block(row % view.block) {}
+  void Next() {
+    if (++row_in_block == w.block) {
+      row_in_block = 0;
+      ++row_block;
+    }
+  }
+};
+
+// Calls emit(c, lo, hi) with the exact fp32 values of FP8 row `row` (at cursor position `pos`), columns
+// k0 + c .. k0 + c + 31, for c = 0, 32, .. < kc (k0, kc multiples of 32; columns at or past w.cols read as 0).
+// One scale per 32 columns: the block is a multiple of 32.
+template <class Emit>
+void ForFp8Row(const Fp8Rows& pos, int64_t row, int64_t k0, int64_t kc, Emit emit) {
+  const WeightView& w = pos.w;
+  const uint8_t* src = static_cast<const uint8_t*>(w.data) + row * w.cols;
+  const int64_t scale_row = pos.row_block * pos.scale_cols;
+  const bool e8m0 = w.scale_format == ScaleFormat::kE8M0;
+  const int64_t end = k0 + kc, data_end = w.cols < end ? w.cols : end;
+  int64_t k = k0;
+  for (int64_t b = pos.first_block; k < data_end; ++b) {
+    const int64_t block_end = (b + 1) * w.block < data_end ? (b + 1) * w.block : data_end;
+    // E8M0 byte e: 2^(e - 127) times the 2^8 the fp16 route leaves out; fp32: 2^8, then the scale.
+    const __m512 sv =
+        e8m0 ? _mm512_set1_ps(static_cast<float>(static_cast<int>(static_cast<const uint8_t*>(w.scale)[scale_row + b]) - 119))
+             : _mm512_set1_ps(static_cast<const float*>(w.scale)[scale_row + b]);
+    __m512 lo, hi;
+    for (; k + 32 <= block_end; k += 32) {
+      if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(src + k + kPrefetchBytes), _MM_HINT_T0);
+      ScaleFp8Chunk(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k)), e8m0, sv, &lo, &hi);
+      emit(k - k0, lo, hi);
+    }
+    if (k < block_end) {  // the row's last, partial chunk
+      ScaleFp8Chunk(_mm256_maskz_loadu_epi8(Mask32(block_end - k), src + k), e8m0, sv, &lo, &hi);
+      emit(k - k0, lo, hi);
+      k += 32;
+    }
+  }
+  for (; k < end; k += 32) emit(k - k0, _mm512_setzero_ps(), _mm512_setzero_ps());
+}
+
+// bf16 bits of FP4 value `code` times 2^(e - 127), exact (the product has at most two significant bits, so even
+// denormal results are exact; overflow gives infinity, as the fp32 product in the reference does).
+constexpr uint16_t Fp4Bf16(int e, int code) {
+  // magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 as m * 2^p with m in {1, 1.5}
+  constexpr int kP[8] = {0, -1, 0, 0, 1, 1, 2, 2};
+  constexpr bool kHalf[8] = {false, false, false, true, false, true, false, true};
+  const uint16_t sign = (code & 8) ? 0x8000 : 0;
+  const int c = code & 7;
+  if (c == 0) return sign;
+  const int biased = kP[c] + e;  // bf16 exponent field of the result
+  if (biased >= 255) return static_cast<uint16_t>(sign | 0x7F80);
+  if (biased >= 1) return static_cast<uint16_t>(sign | (biased << 7) | (kHalf[c] ? 0x40 : 0));
+  // denormal: mantissa m * 2^(biased + 6) in units of 2^-133
+  const int shift = biased + 6;
+  const int mant = kHalf[c] ? (3 << shift) >> 1 : (1 << shift);
+  return static_cast<uint16_t>(sign | mant);
+}
+
+struct Fp4Tables {
+  uint16_t value[256][16];  // [scale byte][code]
+};
+
+constexpr Fp4Tables MakeFp4Tables() {
+  Fp4Tables t{};
+  for (int e = 0; e < 256; ++e)
+    for (int c = 0; c < 16; ++c) t.value[e][c] = Fp4Bf16(e, c);
+  return t;
+}
+
+// Constant data (8 KiB, built at compile time): the 16 bf16 values of every scale byte.
+constexpr Fp4Tables kFp4Tables = MakeFp4Tables();
+
+struct Fp4F32Tables {
+  uint32_t bits[256][16];  // fp32 bits of the same values
+};
+
+constexpr Fp4F32Tables MakeFp4F32Tables() {
+  Fp4F32Tables t{};
+  for (int e = 0; e < 256; ++e)
+    for (int c = 0; c < 16; ++c) t.bits[e][c] = static_cast<uint32_t>(kFp4Tables.value[e][c]) << 16;
+  return t;
+}
+
+// 16 KiB; in practice a checkpoint uses a handful of scale bytes, so few rows of it are ever touched.
+constexpr Fp4F32Tables kFp4F32Tables = MakeFp4F32Tables();
+
+// One FP4 block (16 bytes, 32 values) with E8M0 scale byte e -> 32 bf16 in column order.
+__m512i DecodeFp4Block(const uint8_t* src, uint8_t e) {
+  const __m512i lut = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kFp4Tables.value[e])));
+  const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  // word indices: low word = low nibble (even column), high word = high nibble (odd column); VPERMW reads 5 bits.
+  const __m512i idx = _mm512_ternarylogic_epi32(d, _mm512_slli_epi32(d, 12), _mm512_set1_epi32(0xF), 0xE4);
+  return _mm512_permutexvar_epi16(idx, lut);
+}
+
+}  // namespace
+
+void DecodeRowsBf16(const WeightView& w, int64_t n0, int64_t rows, int64_t k0, int64_t kc, uint16_t* dst,
+                    int64_t ld) {
+  const WeightView fp8_view = w.format == WeightFormat::kFp8E4M3 ? w : WeightView{WeightFormat::kFp8E4M3, nullptr,
+                                                                                     0, 0, ScaleFormat::kNone,
+                                                                                     nullptr, 32};
+  Fp8Rows fp8(fp8_view, n0, k0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = n0 + r;
+    uint16_t* out = dst + r * ld;
+    if (row >= w.rows) {
+      std::memset(out, 0, static_cast<size_t>(kc) * sizeof(uint16_t));
+      continue;
+    }
+    switch (w.format) {
+      case WeightFormat::kBf16: {
+        const uint16_t* src = static_cast<const uint16_t*>(w.data) + row * w.cols;
+        for (int64_t c = 0; c < kc; c += 32) {
+          const int64_t k = k0 + c, valid = w.cols - k;
+          _mm_prefetch(reinterpret_cast<const char*>(src + k) + kPrefetchBytes, _MM_HINT_T0);
+          _mm512_storeu_si512(out + c, valid >= 32 ? _mm512_loadu_si512(src + k)
+                                                   : _mm512_maskz_loadu_epi16(Mask32(valid > 0 ? valid : 0), src + k));
+        }
+        break;
+      }
+      case WeightFormat::kF32: {
+        const float* src = static_cast<const float*>(w.data) + row * w.cols;
+        for (int64_t c = 0; c < kc; c += 32) {
+          const int64_t k = k0 + c, valid = w.cols - k;
+          _mm_prefetch(reinterpret_cast<const char*>(src + k) + kPrefetchBytes, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(src + k) + kPrefetchBytes + 64, _MM_HINT_T0);
+          const __m512 lo = _mm512_maskz_loadu_ps(Mask16(valid > 0 ? valid : 0), src + k);
+          const __m512 hi = _mm512_maskz_loadu_ps(Mask16(valid > 16 ? valid - 16 : 0), src + k + 16);
+          _mm512_storeu_si512(out + c, AsSi(_mm512_cvtne2ps_pbh(hi, lo)));
+        }
+        break;
+      }
+      case WeightFormat::kFp8E4M3:
+        ForFp8Row(fp8, row, k0, kc, [&](int64_t c, __m512 lo, __m512 hi) {
+          _mm512_storeu_si512(out + c, AsSi(_mm512_cvtne2ps_pbh(hi, lo)));
+        });
+        fp8.Next();
+        break;
+      case WeightFormat::kFp4E2M1: {
+        // whole 32-column blocks (FP4 rows are), four per prefetched 64 source bytes
+        const uint8_t* src = static_cast<const uint8_t*>(w.data) + row * (w.cols / 2) + k0 / 2;
+        const uint8_t* scale = static_cast<const uint8_t*>(w.scale) + row * (w.cols / kFp4Block) + k0 / kFp4Block;
+        const int64_t blocks = (w.cols - k0 < kc ? (w.cols - k0 > 0 ? w.cols - k0 : 0) : kc) / 32;
+        int64_t b = 0;
+        for (; b + 4 <= blocks; b += 4) {
+          _mm_prefetch(reinterpret_cast<const char*>(src + b * 16) + kPrefetchBytes, _MM_HINT_T0);
+          const __m512i v0 = DecodeFp4Block(src + b * 16, scale[b]);
+          const __m512i v1 = DecodeFp4Block(src + b * 16 + 16, scale[b + 1]);
+          const __m512i v2 = DecodeFp4Block(src + b * 16 + 32, scale[b + 2]);
+          const __m512i v3 = DecodeFp4Block(src + b * 16 + 48, scale[b + 3]);
+          _mm512_storeu_si512(out + b * 32, v0);
+          _mm512_storeu_si512(out + b * 32 + 32, v1);
+          _mm512_storeu_si512(out + b * 32 + 64, v2);
+          _mm512_storeu_si512(out + b * 32 + 96, v3);
+        }
+        for (; b < blocks; ++b) _mm512_storeu_si512(out + b * 32, DecodeFp4Block(src + b * 16, scale[b]));
+        for (int64_t c = blocks * 32; c < kc; c += 32) _mm512_storeu_si512(out + c, _mm512_setzero_si512());
+        break;
+      }
+    }
+  }
+}
+
+namespace {
+
+// FP8 rows for fp32 activations: rows [n0, n0 + rows) as exact fp32 values, kp columns (zero tail).
+void DecodeRowsF32(const WeightView& w, int64_t n0, int64_t rows, int64_t kp, float* dst) {
+  Fp8Rows fp8(w, n0, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = n0 + r;
+    float* out = dst + r * kp;
+    if (row >= w.rows) {
+      std::memset(out, 0, static_cast<size_t>(kp) * sizeof(float));
+      continue;
+    }
+    ForFp8Row(fp8, row, 0, kp, [&](int64_t c, __m512 lo, __m512 hi) {
+      _mm512_storeu_ps(out + c, lo);
+      _mm512_storeu_ps(out + c + 16, hi);
+    });
+    fp8.Next();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Inner loops: res[i][q] = sum_k x_i[k] * w_q[k] for 4 weight rows and MR activation rows.
+
+template <int MR>
+void DotBf16(const uint16_t* const* w, int64_t kw, const uint16_t* x, int64_t xs, float res[][4]) {
+  __m512 acc[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= kw; k += 32) {
+    __m512bh a[4];
+    for (int q = 0; q < 4; ++q) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[q] + k) + kPrefetchBytes, _MM_HINT_T0);
+      a[q] = AsBh(_mm512_loadu_si512(w[q] + k));
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh xv = AsBh(_mm512_loadu_si512(x + i * xs + k));
+      for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], a[q], xv);
+    }
+  }
+  if (k < kw) {
+    const __mmask32 mask = Mask32(kw - k);
+    __m512bh a[4];
+    for (int q = 0; q < 4; ++q) a[q] = AsBh(_mm512_maskz_loadu_epi16(mask, w[q] + k));
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh xv = AsBh(_mm512_loadu_si512(x + i * xs + k));
+      for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], a[q], xv);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < 4; ++q) res[i][q] = Hsum(acc[i][q]);
+}
+
+// fp32 activations in [even, odd] chunk layout against bf16 rows.
+template <int MR>
+void DotF32Bf16(const uint16_t* const* w, int64_t kw, const float* x, int64_t xs, float res[][4]) {
+  __m512 acc[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_setzero_ps();
+  const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k = 0; k < kw; k += 32) {
+    const __mmask32 mask = Mask32(kw - k);
+    __m512 we[4], wo[4];
+    for (int q = 0; q < 4; ++q) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[q] + k) + kPrefetchBytes, _MM_HINT_T0);
+      const __m512i v = _mm512_maskz_loadu_epi16(mask, w[q] + k);
+      we[q] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      wo[q] = _mm512_castsi512_ps(_mm512_and_si512(v, odd_mask));
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xe = _mm512_loadu_ps(x + i * xs + k), xo = _mm512_loadu_ps(x + i * xs + k + 16);
+      for (int q = 0; q < 4; ++q) {
+        acc[i][q] = _mm512_fmadd_ps(we[q], xe, acc[i][q]);
+        acc[i][q] = _mm512_fmadd_ps(wo[q], xo, acc[i][q]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < 4; ++q) res[i][q] = Hsum(acc[i][q]);
+}
+
+// fp32 activations against fp32 rows (both in column order).
+template <int MR>
+void DotF32(const float* const* w, int64_t kw, const float* x, int64_t xs, float res[][4]) {
+  __m512 acc[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kw; k += 16) {
+    const __mmask16 mask = Mask16(kw - k);
+    __m512 a[4];
+    for (int q = 0; q < 4; ++q) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[q] + k) + kPrefetchBytes, _MM_HINT_T0);
+      a[q] = _mm512_maskz_loadu_ps(mask, w[q] + k);
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xv = _mm512_loadu_ps(x + i * xs + k);
+      for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_fmadd_ps(a[q], xv, acc[i][q]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < 4; ++q) res[i][q] = Hsum(acc[i][q]);
+}
+
+template <class W, class X>
+void Dot(int mr, const W* const* w, int64_t kw, const X* x, int64_t xs, float res[][4]) {
+  if constexpr (sizeof(W) == 2 && sizeof(X) == 2) {
+    switch (mr) {
+      case 1: DotBf16<1>(w, kw, x, xs, res); break;
+      case 2: DotBf16<2>(w, kw, x, xs, res); break;
+      case 3: DotBf16<3>(w, kw, x, xs, res); break;
+      default: DotBf16<4>(w, kw, x, xs, res); break;
+    }
+  } else if constexpr (sizeof(W) == 2) {
+    switch (mr) {
+      case 1: DotF32Bf16<1>(w, kw, x, xs, res); break;
+      case 2: DotF32Bf16<2>(w, kw, x, xs, res); break;
+      case 3: DotF32Bf16<3>(w, kw, x, xs, res); break;
+      default: DotF32Bf16<4>(w, kw, x, xs, res); break;
+    }
+  } else {
+    switch (mr) {
+      case 1: DotF32<1>(w, kw, x, xs, res); break;
+      case 2: DotF32<2>(w, kw, x, xs, res); break;
+      case 3: DotF32<3>(w, kw, x, xs, res); break;
+      default: DotF32<4>(w, kw, x, xs, res); break;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// LinearBlocks: rows path.
+
+bool RowsSupported(ActType, const WeightView& w) {
+  return w.format != WeightFormat::kFp8E4M3 || (w.block > 0 && w.block % 32 == 0);
+}
+
+size_t RowBytes(ActType act, const WeightView& w) {
+  return static_cast<size_t>(Pad32(w.cols)) * (act == ActType::kF32 ? sizeof(float) : sizeof(uint16_t));
+}
+
+void PrepareRows(ActType act, const WeightView& w, const void* x, int64_t ldx, const int64_t* index, int64_t m,
+                 void* dst) {
+  const int64_t kw = w.cols, kp = Pad32(kw);
+  const bool even_odd = EvenOddLayout(act, KindOf(act, w));
+  for (int64_t i = 0; i < m; ++i) {
+    const int64_t src = index != nullptr ? index[i] : i;
+    if (act == ActType::kBf16) {
+      const uint16_t* in = static_cast<const uint16_t*>(x) + src * ldx;
+      uint16_t* out = static_cast<uint16_t*>(dst) + i * kp;
+      std::memcpy(out, in, static_cast<size_t>(kw) * sizeof(uint16_t));
+      std::memset(out + kw, 0, static_cast<size_t>(kp - kw) * sizeof(uint16_t));
+      continue;
+    }
+    const float* in = static_cast<const float*>(x) + src * ldx;
+    float* out = static_cast<float*>(dst) + i * kp;
+    if (!even_odd) {
+      std::memcpy(out, in, static_cast<size_t>(kw) * sizeof(float));
+      std::memset(out + kw, 0, static_cast<size_t>(kp - kw) * sizeof(float));
+      continue;
+    }
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    for (int64_t k = 0; k < kp; k += 32) {
+      const int64_t valid = kw - k;
+      const __m512 a = _mm512_maskz_loadu_ps(Mask16(valid > 0 ? valid : 0), in + k);
+      const __m512 b = _mm512_maskz_loadu_ps(Mask16(valid > 16 ? valid - 16 : 0), in + k + 16);
+      _mm512_storeu_ps(out + k, _mm512_permutex2var_ps(a, even, b));
+      _mm512_storeu_ps(out + k + 16, _mm512_permutex2var_ps(a, odd, b));
+    }
+  }
+}
+
+// Weight rows decoded per block: 4 for the decode path, 64 when several groups of activation rows reuse them.
+int64_t RowBlock(int64_t m) { return m <= 16 ? 4 : 64; }
+
+bool FusedDecode(const WeightView& w, int64_t m);
+
+size_t RowsScratch(ActType act, const WeightView& w, int64_t m) {
+  const RowKind kind = KindOf(act, w);
+  if (kind == RowKind::kBf16Direct || kind == RowKind::kF32Direct || FusedDecode(w, m)) return 0;
+  const size_t elem = kind == RowKind::kF32Decoded ? sizeof(float) : sizeof(uint16_t);
+  return static_cast<size_t>(RowBlock(m) * Pad32(w.cols)) * elem;
+}
+
+void StoreResults(const MatOut& out, int64_t m0, int64_t mr, int64_t col0, int64_t cols, const float res[][4]) {
+  for (int64_t i = 0; i < mr; ++i) {
+    for (int64_t q = 0; q < cols; ++q) {
+      const int64_t at = (m0 + i) * out.ld + col0 + q;
+      if (out.bf16) {
+        static_cast<uint16_t*>(out.data)[at] = F32ToBf16(res[i][q]);
+      } else {
+        static_cast<float*>(out.data)[at] = res[i][q];
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Decode path (at most four activation rows): FP8 / FP4 rows decoded in registers inside the inner loop, four
+// weight rows at a time, with the same per-accumulator operation sequence as the loops above.
+
+// Four FP4 rows; column chunk c (32 values) of row q.
+struct Fp4Rows {
+  const uint8_t* src[4];
+  const uint8_t* scale[4];
+  // natural-order bf16
+  __m512i Bf16(int q, int64_t c) const { return DecodeFp4Block(src[q] + c * 16, scale[q][c]); }
+  // [even, odd] columns as exact fp32
+  void F32(int q, int64_t c, __m512* even, __m512* odd) const {
+    const __m512 lut = _mm512_castsi512_ps(_mm512_loadu_si512(kFp4F32Tables.bits[scale[q][c]]));
+    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src[q] + c * 16)));
+    *even = _mm512_permutexvar_ps(d, lut);  // VPERMPS reads the low 4 bits: the low nibble
+    *odd = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), lut);
+  }
+};
+
+template <int MR>
+void DotFp4Bf16(const Fp4Rows& w, int64_t kw, const uint16_t* x, int64_t xs, float res[][4]) {
+  __m512 acc[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < kw / 32; ++c) {
+    __m512bh a[4];
+    for (int q = 0; q < 4; ++q) {
+      if ((c & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(w.src[q] + c * 16) + kPrefetchBytes, _MM_HINT_T0);
+      a[q] = AsBh(w.Bf16(q, c));
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh xv = AsBh(_mm512_loadu_si512(x + i * xs + c * 32));
+      for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], a[q], xv);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < 4; ++q) res[i][q] = Hsum(acc[i][q]);
+}
+
+// fp32 activations in [even, odd] layout; same sequence as DotF32Bf16 (even FMA, then odd FMA, per chunk).
+template <int MR>
+void DotFp4F32(const Fp4Rows& w, int64_t kw, const float* x, int64_t xs, float res[][4]) {
+  __m512 acc[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < kw / 32; ++c) {
+    __m512 we[4], wo[4];
+    for (int q = 0; q < 4; ++q) {
+      if ((c & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(w.src[q] + c * 16) + kPrefetchBytes, _MM_HINT_T0);
+      w.F32(q, c, &we[q], &wo[q]);
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xe = _mm512_loadu_ps(x + i * xs + c * 32), xo = _mm512_loadu_ps(x + i * xs + c * 32 + 16);
+      for (int q = 0; q < 4; ++q) {
+        acc[i][q] = _mm512_fmadd_ps(we[q], xe, acc[i][q]);
+        acc[i][q] = _mm512_fmadd_ps(wo[q], xo, acc[i][q]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < 4; ++q) res[i][q] = Hsum(acc[i][q]);
+}
+
+// Four FP8 rows (scale blocks are multiples of 32 columns: the loop runs over blocks, then 32-column chunks).
+// bf16 activations: values rounded to bf16 and VDPBF16PS (as DotBf16 on decoded rows); fp32 activations: natural
+// fp32 values and two FMAs per chunk (as DotF32 on decoded rows, lo then hi).
+template <int MR, bool kBf16Act>
+void DotFp8(const WeightView& w, const int64_t* rows, const void* xv, int64_t xs, float res[][4]) {
+  const int64_t kw = w.cols, scale_cols = (kw + w.block - 1) / w.block;
+  const bool e8m0 = w.scale_format == ScaleFormat::kE8M0;
+  const uint8_t* src[4];
+  int64_t scale_row[4];
+  for (int q = 0; q < 4; ++q) {
+    src[q] = static_cast<const uint8_t*>(w.data) + rows[q] * kw;
+    scale_row[q] = (rows[q] / w.block) * scale_cols;
+  }
+  __m512 acc[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < scale_cols; ++b) {
+    __m512 sv[4];
+    for (int q = 0; q < 4; ++q) {
+      sv[q] = e8m0 ? _mm512_set1_ps(static_cast<float>(static_cast<int>(static_cast<const uint8_t*>(w.scale)[scale_row[q] + b]) - 119))
+                   : _mm512_set1_ps(static_cast<const float*>(w.scale)[scale_row[q] + b]);
+    }
+    const int64_t k1 = (b + 1) * w.block < kw ? (b + 1) * w.block : kw;
+    for (int64_t k = b * w.block; k < k1; k += 32) {
+      const int64_t valid = k1 - k;
+      __m512 lo[4], hi[4];
+      for (int q = 0; q < 4; ++q) {
+        if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(src[q] + k) + kPrefetchBytes, _MM_HINT_T0);
+        const __m256i codes = valid >= 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[q] + k))
+                                          : _mm256_maskz_loadu_epi8(Mask32(valid), src[q] + k);
+        ScaleFp8Chunk(codes, e8m0, sv[q], &lo[q], &hi[q]);
+      }
+      if constexpr (kBf16Act) {
+        const uint16_t* x = static_cast<const uint16_t*>(xv);
+        __m512bh a[4];
+        for (int q = 0; q < 4; ++q) a[q] = _mm512_cvtne2ps_pbh(hi[q], lo[q]);
+        for (int i = 0; i < MR; ++i) {
+          const __m512bh xb = AsBh(_mm512_loadu_si512(x + i * xs + k));
+          for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], a[q], xb);
+        }
+      } else {
+        const float* x = static_cast<const float*>(xv);
+        for (int i = 0; i < MR; ++i) {
+          const __m512 x0 = _mm512_loadu_ps(x + i * xs + k), x1 = _mm512_loadu_ps(x + i * xs + k + 16);
+          for (int q = 0; q < 4; ++q) {
+            acc[i][q] = _mm512_fmadd_ps(lo[q], x0, acc[i][q]);
+            acc[i][q] = _mm512_fmadd_ps(hi[q], x1, acc[i][q]);
+          }
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < 4; ++q) res[i][q] = Hsum(acc[i][q]);
+}
+
+template <int MR>
+void DotFused(ActType act, const WeightView& w, const int64_t* rows, const void* x, int64_t xs, float res[][4]) {
+  if (w.format == WeightFormat::kFp4E2M1) {
+    Fp4Rows src;
+    for (int q = 0; q < 4; ++q) {
+      src.src[q] = static_cast<const uint8_t*>(w.data) + rows[q] * (w.cols / 2);
+      src.scale[q] = static_cast<const uint8_t*>(w.scale) + rows[q] * (w.cols / kFp4Block);
+    }
+    if (act == ActType::kBf16) {
+      DotFp4Bf16<MR>(src, w.cols, static_cast<const uint16_t*>(x), xs, res);
+    } else {
+      DotFp4F32<MR>(src, w.cols, static_cast<const float*>(x), xs, res);
+    }
+  } else if (act == ActType::kBf16) {
+    DotFp8<MR, true>(w, rows, x, xs, res);
+  } else {
+    DotFp8<MR, false>(w, rows, x, xs, res);
+  }
+}
+
+// True when rows() decodes in registers (the decode path of FP8 / FP4 weights).
+bool FusedDecode(const WeightView& w, int64_t m) {
+  return m <= 4 && (w.format == WeightFormat::kFp4E2M1 || w.format == WeightFormat::kFp8E4M3);
+}
+
+void RowsFused(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n0, int64_t n1, const MatOut& out) {
+  const int64_t kp = Pad32(w.cols);
+  const int mr = static_cast<int>(m);
+  for (int64_t r0 = n0; r0 < n1; r0 += 4) {
+    int64_t rows[4];
+    for (int q = 0; q < 4; ++q) rows[q] = r0 + q < n1 ? r0 + q : n1 - 1;
+    float res[4][4];
+    switch (mr) {
+      case 1: DotFused<1>(act, w, rows, xp, kp, res); break;
+      case 2: DotFused<2>(act, w, rows, xp, kp, res); break;
+      case 3: DotFused<3>(act, w, rows, xp, kp, res); break;
+      default: DotFused<4>(act, w, rows, xp, kp, res); break;
+    }
+    StoreResults(out, 0, m, r0 - n0, n1 - r0 < 4 ? n1 - r0 : 4, res);
+  }
+}
+
+template <class W, class X>
+void RowsBlock(const W* base, int64_t stride, int64_t rows, int64_t kw, const X* x, int64_t xs, int64_t m,
+               const MatOut& out, int64_t col0) {
+  for (int64_t m0 = 0; m0 < m; m0 += 4) {
+    const int mr = static_cast<int>(m - m0 < 4 ? m - m0 : 4);
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const W* w[4];
+      for (int q = 0; q < 4; ++q) w[q] = base + (r0 + q < rows ? r0 + q : rows - 1) * stride;
+      float res[4][4];
+      Dot(mr, w, kw, x + m0 * xs, xs, res);
+      StoreResults(out, m0, mr, col0 + r0, rows - r0 < 4 ? rows - r0 : 4, res);
+    }
+  }
+}
+
+void Rows(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n0, int64_t n1, const MatOut& out,
+          void* scratch) {
+  if (FusedDecode(w, m)) {
+    RowsFused(act, xp, m, w, n0, n1, out);
+    return;
+  }
+  const RowKind kind = KindOf(act, w);
+  const int64_t kw = w.cols, kp = Pad32(kw), block = RowBlock(m);
+  for (int64_t b0 = n0; b0 < n1; b0 += block) {
+    const int64_t rows = n1 - b0 < block ? n1 - b0 : block;
+    const int64_t col0 = b0 - n0;
+    switch (kind) {
+      case RowKind::kBf16Direct:
+      case RowKind::kBf16Decoded: {
+        const uint16_t* base;
+        int64_t stride;
+        if (kind == RowKind::kBf16Direct) {
+          base = static_cast<const uint16_t*>(w.data) + b0 * kw;
+          stride = kw;
+        } else {
+          DecodeRowsBf16(w, b0, rows, 0, kp, static_cast<uint16_t*>(scratch), kp);
+          base = static_cast<const uint16_t*>(scratch);
+          stride = kp;
+        }
+        if (act == ActType::kBf16) {
+          RowsBlock(base, stride, rows, kw, static_cast<const uint16_t*>(xp), kp, m, out, col0);
+        } else {
+          RowsBlock(base, stride, rows, kw, static_cast<const float*>(xp), kp, m, out, col0);
+        }
+        break;
+      }
+      case RowKind::kF32Direct:
+        RowsBlock(static_cast<const float*>(w.data) + b0 * kw, kw, rows, kw, static_cast<const float*>(xp), kp, m,
+                  out, col0);
+        break;
+      case RowKind::kF32Decoded:
+        DecodeRowsF32(w, b0, rows, kp, static_cast<float*>(scratch));
+        RowsBlock(static_cast<const float*>(scratch), kp, rows, kw, static_cast<const float*>(xp), kp, m, out, col0);
+        break;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Tile activation layout (portable::PrepareTileBlocks is the specification).
+
+// Transposes a 16 x 16 matrix of 32-bit elements held in r (row i = r[i]) in place.
+void Transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {
+    u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i x0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), x1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE);
+    const __m512i y0 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
+    const __m512i y1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
+    r[j] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    r[4 + j] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+    r[8 + j] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    r[12 + j] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+  }
+}
+
+// x (32 fp32 in lo, hi) = hi + mid + lo as three bf16 vectors (SplitBf16x3 semantics).
+void Split3(__m512 x0, __m512 x1, __m512i parts[3]) {
+  const __m512 inf = _mm512_set1_ps(__builtin_inff());
+  const __mmask16 f0 = _mm512_cmp_ps_mask(_mm512_abs_ps(x0), inf, _CMP_LT_OQ);
+  const __mmask16 f1 = _mm512_cmp_ps_mask(_mm512_abs_ps(x1), inf, _CMP_LT_OQ);
+  const __m512i h = AsSi(_mm512_cvtne2ps_pbh(x1, x0));
+  const __m512 r0 = _mm512_maskz_sub_ps(f0, x0, WidenLo(h)), r1 = _mm512_maskz_sub_ps(f1, x1, WidenHi(h));
+  const __m512i m = AsSi(_mm512_cvtne2ps_pbh(r1, r0));
+  const __m512 s0 = _mm512_sub_ps(r0, WidenLo(m)), s1 = _mm512_sub_ps(r1, WidenHi(m));
+  parts[0] = h;
+  parts[1] = m;
+  parts[2] = AsSi(_mm512_cvtne2ps_pbh(s1, s0));
+}
+
+}  // namespace
+
+void PrepareTileBlocks(ActType act, const void* x, int64_t ldx, const int64_t* index, int64_t m, int64_t kw,
+                       int64_t block_begin, int64_t block_end, void* dst) {
+  const TileLayout l = TileLayoutOf(act, m);
+  const int64_t steps = Pad32(kw) / 32;
+  uint16_t* out = static_cast<uint16_t*>(dst);
+  for (int64_t b = block_begin; b < block_end; ++b) {
+    // tile row vl of this block: activation row and (folded) part
+    const void* row[16];
+    int part_of[16];
+    int rows = 0;
+    for (int vl = 0; vl < 16 && b * 16 + vl < l.rows; ++vl, ++rows) {
+      const int64_t v = b * 16 + vl, t = l.folded ? v % m : v, src = index != nullptr ? index[t] : t;
+      part_of[vl] = l.folded ? static_cast<int>(v / m) : 0;
+      row[vl] = act == ActType::kF32 ? static_cast<const void*>(static_cast<const float*>(x) + src * ldx)
+                                     : static_cast<const void*>(static_cast<const uint16_t*>(x) + src * ldx);
+    }
+    for (int64_t s = 0; s < steps; ++s) {
+      const int64_t k = s * 32, valid = kw - k;
+      __m512i r[3][16];
+      for (int vl = 0; vl < 16; ++vl) {
+        if (vl >= rows) {
+          for (int64_t p = 0; p < l.parts; ++p) r[p][vl] = _mm512_setzero_si512();
+          continue;
+        }
+        if (act == ActType::kBf16) {
+          r[0][vl] = _mm512_maskz_loadu_epi16(Mask32(valid), static_cast<const uint16_t*>(row[vl]) + k);
+        } else {
+          const float* in = static_cast<const float*>(row[vl]) + k;
+          const __m512 lo = _mm512_maskz_loadu_ps(Mask16(valid), in);
+          const __m512 hi = _mm512_maskz_loadu_ps(Mask16(valid > 16 ? valid - 16 : 0), in + 16);
+          __m512i p3[3];
+          Split3(lo, hi, p3);
+          if (l.folded) {
+            r[0][vl] = p3[part_of[vl]];
+          } else {
+            for (int p = 0; p < 3; ++p) r[p][vl] = p3[p];
+          }
+        }
+      }
+      for (int64_t p = 0; p < l.parts; ++p) {
+        Transpose16(r[p]);
+        uint16_t* tile = out + ((p * l.blocks + b) * steps + s) * 512;
+        for (int q = 0; q < 16; ++q) _mm512_storeu_si512(tile + q * 32, r[p][q]);
+      }
+    }
+  }
+}
+
+extern const LinearBlocks kLinearBlocks = {
+    "avx512", RowsSupported, RowBytes, PrepareRows, RowsScratch, Rows, nullptr, nullptr, nullptr, nullptr,
+    nullptr,  {0, 0},        0,
+};
+
+}  // namespace avx512
+}  // namespace dsv4

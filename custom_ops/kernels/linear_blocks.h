@@ -1,0 +1,162 @@
+// Building blocks of the accelerated Linear and MoE expert kernels (linear.h, moe_experts.h), and the drivers that
+// run them.
+//
+// Every accelerated level computes what the reference does (linear.h): out[i][j] = sum_k X_i[k] W[j][k] with W
+// decoded exactly (and, for bf16 activations, rounded to bf16). What differs is how W reaches the inner loop.
+//
+// Weight layout. No level repacks a weight: all work on the checkpoint layout [N, Kw] (row-major), which is
+// already what both inner loops want, so nothing is produced at kernel creation and a session holds each weight
+// once (ONNX Runtime's copy, memory-mapped when the model keeps its weights as external data) plus per-call
+// scratch. Packing was considered and does not pay here: the decode path streams each weight byte once per token,
+// so a VNNI copy would double resident memory to save nothing (row-dot products need no interleaving), and the
+// tiles take the weight as their A operand, whose layout *is* row-major rows, decoding FP8/FP4 on the fly at a
+// cost that prefill amortises over the activation rows.
+//
+//   rows   (every level; the decode path, and every M where there are no tiles) four weight rows against up to
+//          four activation rows at a time, K in the vector lanes, one fp32 accumulator per (row, activation row)
+//          folded horizontally at the end. bf16 and fp32 weights are read in place. FP8 / FP4 rows are decoded in
+//          registers inside the loop for up to four activation rows (FP8 moves half and FP4 a quarter of the
+//          bytes of bf16 from memory, and nothing is written back), and decoded into a small scratch once per
+//          block of weight rows for more.
+//   tiles  (AMX) the weight is the A operand of TDPBF16PS: a 16 x 32 bf16 A tile is 16 weight rows x 32 columns,
+//          i.e. [N, Kw] read with the row stride: in place for bf16 weights, from a decoded bf16 block for the
+//          rest (64 rows x up to 8192 columns decoded once and reused for every 32 activation rows; pieces of
+//          32 x 256 that stay in L1 when there are at most 32). The activations are the B operand, transposed
+//          into VNNI pairs once per call ([16 column pairs][16 tokens][2] per tile). C tiles come out as
+//          [16 weight rows][16 tokens] and are transposed on the way out. fp32 activations are split
+//          x = hi + mid + lo into three bf16 parts (24 significand bits in all, so every product is exact) and
+//          take three tile products, or one when at most kFoldRows rows let the three parts share a B tile. This
+//          needs the weight to be exact in bf16: true for bf16, FP4 and E8M0-scaled FP8 weights; fp32 weights and
+//          FP8 with fp32 scales under fp32 activations stay on the rows path.
+//
+// The activation operand is prepared once per call (per group, per expert) into the layout the level's inner loop
+// reads and padded with zeros to a multiple of 32 columns; weight tails are read with masks or decoded into
+// zero-padded scratch, so any N and Kw work.
+//
+// Drivers (linear_fast.cc, moe_experts_fast.cc, baseline ISA) allocate all scratch before their parallel regions
+// and split work over `par`; a level's functions run inside one task, allocate nothing and are re-entrant. Results
+// do not depend on the number of threads: each output is computed by one fixed sequence of operations whatever
+// the task split (they may depend on M, which picks rows or tiles). A level's rows path falls back to the
+// reference for what it does not take (FP8 scale blocks that are not a multiple of 32 columns).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "custom_ops/kernels/linear.h"
+#include "custom_ops/kernels/moe_experts.h"
+#include "custom_ops/platform/parallel.h"
+
+namespace dsv4 {
+
+enum class ActType : int { kF32 = 0, kBf16 = 1 };
+
+// Where a matmul writes: out[i * ld + j] as fp32, or rounded to bf16 (nearest-even) when bf16.
+struct MatOut {
+  void* data = nullptr;
+  int64_t ld = 0;
+  bool bf16 = false;
+};
+
+// One level's functions. `w` is always the whole [N, Kw] matrix (FP8 scales are indexed by the global row), and
+// [n0, n1) the weight rows a call computes; out column j - n0 holds weight row j.
+struct LinearBlocks {
+  const char* name;
+
+  // --- rows path (always present) ---
+  // False when the rows path cannot take this weight (the driver then runs the reference).
+  bool (*rows_supported)(ActType act, const WeightView& w);
+  // Bytes of one prepared activation row for this weight (columns padded to a multiple of 32).
+  size_t (*row_bytes)(ActType act, const WeightView& w);
+  // dst row i = activation row index[i] (i when index is null) of x, columns [0, w.cols); x rows are ldx elements
+  // apart. fp32 (act kF32) or bf16 bits (kBf16).
+  void (*prepare_rows)(ActType act, const WeightView& w, const void* x, int64_t ldx, const int64_t* index,
+                       int64_t m, void* dst);
+  // Scratch bytes one rows() call needs for m activation rows.
+  size_t (*rows_scratch)(ActType act, const WeightView& w, int64_t m);
+  void (*rows)(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n0, int64_t n1,
+               const MatOut& out, void* scratch);
+
+  // --- tiles path (null where the level has none) ---
+  bool (*tiles_supported)(ActType act, const WeightView& w);
+  // Bytes of the prepared activations for m rows of kw columns.
+  size_t (*tile_x_bytes)(ActType act, int64_t m, int64_t kw);
+  // Prepares the 16-row tile blocks [block_begin, block_end) of TileLayoutOf(act, m) (index / ldx as in
+  // prepare_rows) into dst (the whole prepared buffer); blocks are independent, so the driver splits them over
+  // threads.
+  void (*prepare_tiles)(ActType act, const void* x, int64_t ldx, const int64_t* index, int64_t m, int64_t kw,
+                        int64_t block_begin, int64_t block_end, void* dst);
+  size_t (*tiles_scratch)(ActType act, const WeightView& w, int64_t m);
+  void (*tiles)(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n0, int64_t n1,
+                const MatOut& out, void* scratch);
+  // The tiles path runs when a call has at least this many activation rows (per activation type).
+  int64_t tile_min_rows[2];
+  // Weight rows per tiles() block; tasks split N in multiples of it.
+  int64_t tile_rows;
+};
+
+// Drivers: the LinearKernels / MoeExpertsKernels slot semantics (linear.h, moe_experts.h) on a level's blocks.
+void RunLinear(const LinearBlocks& b, ActType act, const void* x, int64_t m, const WeightView& w, int64_t groups,
+               void* y, const Parallel& par);
+void RunMoeExperts(const LinearBlocks& b, ActType act, const void* x, int64_t tokens, const float* weights,
+                   const int64_t* indices, int64_t top_k, const ExpertWeights& w, float swiglu_limit, void* y,
+                   const Parallel& par);
+
+// Levels. The amx_emu blocks are the AMX sources built against the tile emulation (test builds only), with
+// portable rows and decoding, so that the tiles path is tested on any CPU.
+namespace avx2 {
+extern const LinearBlocks kLinearBlocks;
+extern const LinearKernels kLinear;
+extern const MoeExpertsKernels kMoeExperts;
+}  // namespace avx2
+namespace avx512 {
+extern const LinearBlocks kLinearBlocks;
+extern const LinearKernels kLinear;
+extern const MoeExpertsKernels kMoeExperts;
+// Shared with the AMX tiles: W rows [n0, n0 + rows) x columns [k0, k0 + kc) as bf16 (exact decode, rounded to bf16
+// as linear.h specifies for bf16 activations) into dst (row stride ld elements); rows at or past w.rows and columns
+// at or past w.cols are written as zeros. k0 and kc are multiples of 32.
+void DecodeRowsBf16(const WeightView& w, int64_t n0, int64_t rows, int64_t k0, int64_t kc, uint16_t* dst,
+                    int64_t ld);
+// The tiles' activation layout (see linear_amx.cc), vectorised.
+void PrepareTileBlocks(ActType act, const void* x, int64_t ldx, const int64_t* index, int64_t m, int64_t kw,
+                       int64_t block_begin, int64_t block_end, void* dst);
+}  // namespace avx512
+namespace amx {
+extern const LinearBlocks kLinearBlocks;
+extern const LinearKernels kLinear;
+extern const MoeExpertsKernels kMoeExperts;
+}  // namespace amx
+namespace amx_emu {
+extern const LinearBlocks kLinearBlocks;
+}  // namespace amx_emu
+
+// Portable (baseline) versions of the pieces above, used by amx_emu and as the specification of the layouts.
+namespace portable {
+extern const LinearBlocks kRowBlocks;  // rows path only
+void DecodeRowsBf16(const WeightView& w, int64_t n0, int64_t rows, int64_t k0, int64_t kc, uint16_t* dst,
+                    int64_t ld);
+void PrepareTileBlocks(ActType act, const void* x, int64_t ldx, const int64_t* index, int64_t m, int64_t kw,
+                       int64_t block_begin, int64_t block_end, void* dst);
+}  // namespace portable
+
+// Helpers shared by the levels (linear_fast.cc).
+int64_t PaddedCols(int64_t cols);  // cols rounded up to a multiple of 32
+
+// How the m activation rows of a call are laid out for the tiles: `parts` bf16 parts (3 for fp32, 1 for bf16) of
+// `rows` tile rows in ceil(rows / 16) blocks of 16. fp32 activations with at most kFoldRows rows are folded: the
+// three parts of row t become tile rows t, m + t, 2m + t of a single part (one B tile holds them all, a third of
+// the tile products), and the three partial results are added at the end.
+constexpr int64_t kFoldRows = 5;
+struct TileLayout {
+  int64_t parts, rows, blocks;
+  bool folded;
+};
+TileLayout TileLayoutOf(ActType act, int64_t m);
+// Bytes of the prepared activations: parts x blocks x PaddedCols(kw)/32 steps of 16 x 16 bf16 pairs (1 KiB).
+size_t TileXBytes(ActType act, int64_t m, int64_t kw);
+// fp32 -> three bf16 parts with x == hi + mid + lo exactly for |x| >= 2^-100; non-finite x gives (x, 0, 0).
+// Denormal inputs and parts are flushed to zero, as the hardware conversion does (so tinier x lose low bits).
+void SplitBf16x3(float x, uint16_t* hi, uint16_t* mid, uint16_t* lo);
+
+}  // namespace dsv4

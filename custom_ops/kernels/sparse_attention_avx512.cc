@@ -1,0 +1,59 @@
+// AVX512 SparseAttention (sparse_attention.h): fp32 products on 16-lane vectors for fp32 and bf16 inputs (bf16 keys
+// are widened once per key block; on the CPUs this level targets, VDPBF16PS has half the throughput of two fp32
+// FMAs, so widening wins). The algorithm is in sparse_attention_simd.inc; this file supplies the vector layer.
+// Must match sparse_attention_ref.cc within fp32 rounding (fp32 accumulation in a different order, exp within a few
+// ulp); the bf16 rounding points are the spec's. Needs AVX512F/BW/VL/DQ.
+#if defined(__GNUC__) && !defined(__clang__)  // GCC 12 flags its own _mm512_undefined_* placeholders (PR 105593)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#include <immintrin.h>
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "custom_ops/kernels/sparse_attention.h"
+#include "custom_ops/kernels/sparse_attention_keys.h"
+#include "custom_ops/numerics/bf16.h"
+#include "custom_ops/platform/thread_scratch.h"
+
+namespace dsv4 {
+namespace avx512 {
+namespace {
+
+constexpr int64_t kKeyBlock = 48;
+constexpr int kQkSlabs = 4;
+constexpr int kQkKeys = 6;
+constexpr int kQkKeys1 = 12;
+constexpr int kPvHeads = 8;
+constexpr int kPvVecs = 3;
+
+#include "custom_ops/kernels/simd_avx512.inc"
+
+#include "custom_ops/kernels/sparse_attention_simd.inc"
+
+void AttendF32(const float* q, const float* kv, const float* window, const float* entries, const int64_t* indices,
+               const float* sink, const float* inv_freq, const int64_t* start_pos, const SparseAttentionDims& dims,
+               float scale, float* o, const Parallel& par) {
+  Attend(q, kv, window, entries, indices, sink, inv_freq, start_pos, dims, scale, o, par);
+}
+
+void AttendBf16(const uint16_t* q, const uint16_t* kv, const uint16_t* window, const uint16_t* entries,
+                const int64_t* indices, const float* sink, const float* inv_freq, const int64_t* start_pos,
+                const SparseAttentionDims& dims, float scale, uint16_t* o, const Parallel& par) {
+  Attend(q, kv, window, entries, indices, sink, inv_freq, start_pos, dims, scale, o, par);
+}
+
+}  // namespace
+
+const SparseAttentionKernels kSparseAttention = {&AttendF32, &AttendBf16, &WindowWrite};
+
+}  // namespace avx512
+}  // namespace dsv4

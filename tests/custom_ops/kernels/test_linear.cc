@@ -1,0 +1,429 @@
+// Linear kernels (kernels/linear.h, linear_blocks.h): every accelerated variant against the scalar reference
+// (linear_ref.cc) for every weight format (fp32, bf16, FP8 with E8M0 and fp32 scales, FP4), both activation types,
+// M in {1, 2, 3, 4, 5, 8, 16, 17, 69}, odd N / Kw (tails of the 16/32-column steps and of the 4-row and 64-row
+// blocks), groups, and FP8 scale blocks of 32 and 128 (and 16, which the levels hand to the reference).
+//
+// Variants: the avx2 / avx512 / amx tables as dispatched (AMX tiles above the level's crossover), the AMX tiles for
+// every M on real hardware (amx_tiles), and the same tiles on the portable tile emulation (amx_emu, any CPU).
+//
+// Tolerances. Every variant decodes the weights to the reference's values and differs only in summation order
+// (and, on the bf16 paths, in flushing denormal inputs, which these data avoid), so for fp32 outputs
+//   |got - want| <= 2 (K' + 2) 2^-24 sum_k |x_k W_k| + 1e-30
+// with K' = 3 Kw for the three-part AMX products of fp32 activations (Kw otherwise). bf16 outputs are rounded once
+// from such fp32 values: within the same bound plus one bf16 ulp (at most 2^-7 relative). NaN must match NaN. Results must
+// not depend on the thread count (bitwise), and the real AMX tiles must equal the emulated ones bitwise.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "custom_ops/kernels/linear.h"
+#include "custom_ops/kernels/linear_blocks.h"
+#include "custom_ops/numerics/bf16.h"
+#include "custom_ops/numerics/fp4.h"
+#include "custom_ops/numerics/fp8.h"
+#include "kernel_test_util.h"
+#include "kt.h"
+
+namespace {
+
+using dsv4::ActType;
+using dsv4::IsaLevel;
+using dsv4::ScaleFormat;
+using dsv4::WeightFormat;
+using dsv4::WeightView;
+using dsv4_test::Rng;
+
+enum class Fmt { kF32, kBf16, kFp8E8m0, kFp8F32, kFp4 };
+const char* FmtName(Fmt f) {
+  switch (f) {
+    case Fmt::kF32: return "f32";
+    case Fmt::kBf16: return "bf16";
+    case Fmt::kFp8E8m0: return "fp8_e8m0";
+    case Fmt::kFp8F32: return "fp8_f32";
+    case Fmt::kFp4: return "fp4";
+  }
+  return "?";
+}
+constexpr Fmt kFormats[] = {Fmt::kF32, Fmt::kBf16, Fmt::kFp8E8m0, Fmt::kFp8F32, Fmt::kFp4};
+
+// A weight in one format with its storage.
+struct Weight {
+  std::vector<uint8_t> data, scale;
+  WeightView view;
+};
+
+// Random [rows, cols] weight of unit-ish magnitude / sqrt(cols). FP8 codes avoid NaN unless nan_codes.
+Weight MakeWeight(Rng& rng, Fmt fmt, int64_t rows, int64_t cols, int64_t block, bool nan_codes = false) {
+  Weight w;
+  WeightView& v = w.view;
+  v.rows = rows;
+  v.cols = cols;
+  const float amp = 1.0f / std::sqrt(static_cast<float>(cols > 0 ? cols : 1));
+  switch (fmt) {
+    case Fmt::kF32: {
+      v.format = WeightFormat::kF32;
+      w.data.resize(rows * cols * sizeof(float));
+      float* d = reinterpret_cast<float*>(w.data.data());
+      for (int64_t i = 0; i < rows * cols; ++i) d[i] = amp * rng.Normal();
+      break;
+    }
+    case Fmt::kBf16: {
+      v.format = WeightFormat::kBf16;
+      w.data.resize(rows * cols * sizeof(uint16_t));
+      uint16_t* d = reinterpret_cast<uint16_t*>(w.data.data());
+      for (int64_t i = 0; i < rows * cols; ++i) d[i] = dsv4::F32ToBf16(amp * rng.Normal());
+      break;
+    }
+    case Fmt::kFp8E8m0:
+    case Fmt::kFp8F32: {
+      v.format = WeightFormat::kFp8E4M3;
+      v.block = block;
+      w.data.resize(rows * cols);
+      for (auto& c : w.data) {
+        c = static_cast<uint8_t>(rng.Index(256));
+        if (!nan_codes && (c & 0x7F) == 0x7F) c ^= 0x01;
+      }
+      const int64_t sr = (rows + block - 1) / block, sc = (cols + block - 1) / block;
+      if (fmt == Fmt::kFp8E8m0) {
+        v.scale_format = ScaleFormat::kE8M0;
+        w.scale.resize(sr * sc);
+        for (auto& s : w.scale) s = static_cast<uint8_t>(112 + rng.Index(8));  // 2^-15 .. 2^-8
+      } else {
+        v.scale_format = ScaleFormat::kF32;
+        w.scale.resize(sr * sc * sizeof(float));
+        float* s = reinterpret_cast<float*>(w.scale.data());
+        for (int64_t i = 0; i < sr * sc; ++i) s[i] = amp / 64.0f * rng.Uniform(0.5f, 2.0f);
+      }
+      break;
+    }
+    case Fmt::kFp4: {
+      v.format = WeightFormat::kFp4E2M1;
+      v.block = dsv4::kFp4Block;
+      v.scale_format = ScaleFormat::kE8M0;
+      w.data.resize(rows * cols / 2);
+      for (auto& c : w.data) c = static_cast<uint8_t>(rng.Index(256));
+      w.scale.resize(rows * (cols / 32));
+      for (auto& s : w.scale) s = static_cast<uint8_t>(119 + rng.Index(6));
+      break;
+    }
+  }
+  v.data = w.data.data();
+  v.scale = w.scale.empty() ? nullptr : w.scale.data();
+  return w;
+}
+
+// A variant: runs Linear (slot semantics) for activation type act.
+struct Variant {
+  std::string name;
+  IsaLevel needs;
+  double parts;  // activation parts per product for fp32 activations (1, or 3 on the AMX tiles)
+  std::function<void(ActType, const void*, int64_t, const WeightView&, int64_t, void*, const dsv4::Parallel&)> run;
+};
+
+dsv4::LinearBlocks AllTiles(const dsv4::LinearBlocks& b) {
+  dsv4::LinearBlocks t = b;
+  t.tile_min_rows[0] = t.tile_min_rows[1] = 1;
+  return t;
+}
+
+void RunTable(const dsv4::LinearKernels& k, ActType act, const void* x, int64_t m, const WeightView& w,
+              int64_t groups, void* y, const dsv4::Parallel& par) {
+  const bool fp8 = w.format == WeightFormat::kFp8E4M3, fp4 = w.format == WeightFormat::kFp4E2M1;
+  if (act == ActType::kF32) {
+    (fp8 ? k.f32_fp8 : fp4 ? k.f32_fp4 : k.f32_dense)(static_cast<const float*>(x), m, w, groups,
+                                                       static_cast<float*>(y), par);
+  } else {
+    (fp8 ? k.bf16_fp8 : fp4 ? k.bf16_fp4 : k.bf16_dense)(static_cast<const uint16_t*>(x), m, w, groups,
+                                                         static_cast<uint16_t*>(y), par);
+  }
+}
+
+std::vector<Variant> Variants() {
+  std::vector<Variant> v;
+#if DSV4_X86_VARIANTS
+  v.push_back({"avx2", IsaLevel::kAvx2, 1, [](ActType a, const void* x, int64_t m, const WeightView& w, int64_t g,
+                                              void* y, const dsv4::Parallel& p) { RunTable(dsv4::avx2::kLinear, a, x, m, w, g, y, p); }});
+  v.push_back({"avx512", IsaLevel::kAvx512, 1, [](ActType a, const void* x, int64_t m, const WeightView& w, int64_t g,
+                                                  void* y, const dsv4::Parallel& p) { RunTable(dsv4::avx512::kLinear, a, x, m, w, g, y, p); }});
+  v.push_back({"amx", IsaLevel::kAmx, 3, [](ActType a, const void* x, int64_t m, const WeightView& w, int64_t g,
+                                            void* y, const dsv4::Parallel& p) { RunTable(dsv4::amx::kLinear, a, x, m, w, g, y, p); }});
+  v.push_back({"amx_tiles", IsaLevel::kAmx, 3, [](ActType a, const void* x, int64_t m, const WeightView& w, int64_t g,
+                                                  void* y, const dsv4::Parallel& p) {
+                 static const dsv4::LinearBlocks b = AllTiles(dsv4::amx::kLinearBlocks);
+                 dsv4::RunLinear(b, a, x, m, w, g, y, p);
+               }});
+#endif
+#if DSV4_HAVE_AMX_EMULATION
+  v.push_back({"amx_emu", IsaLevel::kScalar, 3, [](ActType a, const void* x, int64_t m, const WeightView& w, int64_t g,
+                                                   void* y, const dsv4::Parallel& p) {
+                 dsv4::RunLinear(dsv4::amx_emu::kLinearBlocks, a, x, m, w, g, y, p);
+               }});
+#endif
+  return v;
+}
+
+struct Problem {
+  ActType act;
+  int64_t m, groups;
+  Weight w;
+  std::vector<float> x32;     // fp32 activations (act kF32)
+  std::vector<uint16_t> x16;  // bf16 activations (act kBf16)
+  const void* x() const { return act == ActType::kF32 ? static_cast<const void*>(x32.data()) : x16.data(); }
+};
+
+Problem MakeProblem(Rng& rng, ActType act, Fmt fmt, int64_t m, int64_t n, int64_t kw, int64_t groups, int64_t block,
+                    bool nan_codes = false) {
+  Problem p{act, m, groups, MakeWeight(rng, fmt, n, kw, block, nan_codes), {}, {}};
+  const int64_t k = groups * kw;
+  p.x32.resize(m * k);
+  for (auto& v : p.x32) v = rng.Normal();
+  if (act == ActType::kBf16) p.x16 = dsv4_test::ToBf16(p.x32);
+  return p;
+}
+
+// Output as fp32 values (bf16 widened).
+std::vector<float> Run(const std::function<void(ActType, const void*, int64_t, const WeightView&, int64_t, void*,
+                                                const dsv4::Parallel&)>& f,
+                       const Problem& p, const dsv4::Parallel& par) {
+  const int64_t n = p.w.view.rows;
+  if (p.act == ActType::kF32) {
+    std::vector<float> y(p.m * n, -7.0f);
+    f(p.act, p.x(), p.m, p.w.view, p.groups, y.data(), par);
+    return y;
+  }
+  std::vector<uint16_t> y(p.m * n, 0xBEEF);
+  f(p.act, p.x(), p.m, p.w.view, p.groups, y.data(), par);
+  return dsv4_test::FromBf16(y);
+}
+
+std::vector<float> Reference(const Problem& p) {
+  return Run([](ActType a, const void* x, int64_t m, const WeightView& w, int64_t g, void* y,
+                const dsv4::Parallel& par) { RunTable(dsv4::ref::kLinear, a, x, m, w, g, y, par); },
+             p, dsv4::SerialParallel());
+}
+
+// sum_k |x_k W_k| per output, with W as the reference decodes it.
+std::vector<double> AbsSums(const Problem& p) {
+  const WeightView& w = p.w.view;
+  const int64_t n = w.rows, kw = w.cols, per_group = n / p.groups;
+  std::vector<double> out(p.m * n);
+  std::vector<float> row(kw > 0 ? kw : 1);
+  for (int64_t j = 0; j < n; ++j) {
+    dsv4::ref::DecodeWeightRow(w, j, p.act == ActType::kBf16, row.data());
+    const int64_t g = j / per_group;
+    for (int64_t i = 0; i < p.m; ++i) {
+      double s = 0.0;
+      for (int64_t c = 0; c < kw; ++c) {
+        const float xv = p.act == ActType::kF32 ? p.x32[i * p.groups * kw + g * kw + c]
+                                                : dsv4::Bf16ToF32(p.x16[i * p.groups * kw + g * kw + c]);
+        s += std::fabs(static_cast<double>(xv) * row[c]);
+      }
+      out[i * n + j] = s;
+    }
+  }
+  return out;
+}
+
+void ExpectMatches(const std::string& what, const Problem& p, const std::vector<float>& got,
+                   const std::vector<float>& want, double parts) {
+  KT_CHECK_EQ(got.size(), want.size()) << what;
+  if (got.size() != want.size()) return;
+  const std::vector<double> sums = AbsSums(p);
+  const double kterms = parts * static_cast<double>(p.w.view.cols) + 2.0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double g = got[i], w = want[i];
+    if (std::isnan(g) || std::isnan(w)) {
+      KT_CHECK(std::isnan(g) && std::isnan(w)) << what << "[" << i << "]: got " << g << ", want " << w;
+      continue;
+    }
+    double tol = 2.0 * kterms * std::ldexp(sums[i], -24) + 1e-30;
+    if (p.act == ActType::kBf16) tol += std::ldexp(std::fabs(w), -7) + std::ldexp(tol, -7);
+    KT_CHECK(std::fabs(g - w) <= tol) << what << "[" << i << "] (row " << i / p.w.view.rows << ", col "
+                                      << i % p.w.view.rows << "): got " << g << ", want " << w << ", tol " << tol;
+  }
+}
+
+std::string Describe(const Problem& p, Fmt fmt) {
+  return std::string(p.act == ActType::kF32 ? "f32" : "bf16") + " x " + FmtName(fmt) + " M=" + std::to_string(p.m) +
+         " N=" + std::to_string(p.w.view.rows) + " Kw=" + std::to_string(p.w.view.cols) +
+         " G=" + std::to_string(p.groups) +
+         (p.w.view.format == WeightFormat::kFp8E4M3 ? " block=" + std::to_string(p.w.view.block) : "");
+}
+
+// The shape sweep of one variant, one activation type and one format.
+void TestShapes(const Variant& v, ActType act, Fmt fmt) {
+  dsv4_test::RequireIsa(v.needs);
+  Rng rng(1234 + static_cast<int>(fmt) * 17 + static_cast<int>(act));
+  const dsv4_test::ThreadParallel threads(3);
+  const bool fp4 = fmt == Fmt::kFp4, fp8 = fmt == Fmt::kFp8E8m0 || fmt == Fmt::kFp8F32;
+  struct Shape {
+    int64_t n, kw, groups, block;
+  };
+  std::vector<Shape> shapes = {{37, fp4 ? 96 : 70, 1, 32}, {130, fp4 ? 320 : 300, 1, 128}, {5, fp4 ? 32 : 7, 1, 32},
+                               {96, 64, 3, 32}, {67, fp4 ? 4128 : 4109, 1, 128}};
+  if (fp8) shapes.push_back({40, 50, 1, 16});  // block 16: the levels hand it to the reference
+  for (const Shape& s : shapes) {
+    for (int64_t m : {1, 2, 3, 4, 5, 8, 16, 17, 69}) {
+      if (s.kw > 1000 && m > 17 && v.name == "amx_emu") continue;  // emulated tiles are slow
+      const Problem p = MakeProblem(rng, act, fmt, m, s.n, s.kw, s.groups, s.block);
+      const std::vector<float> want = Reference(p);
+      const std::vector<float> got = Run(v.run, p, threads.Get());
+      ExpectMatches(v.name + " " + Describe(p, fmt), p, got, want, act == ActType::kF32 ? v.parts : 1.0);
+      if (m == 5 || m == 17) {  // thread count must not matter
+        const std::vector<float> serial = Run(v.run, p, dsv4::SerialParallel());
+        dsv4_test::ExpectIdentical(v.name + " serial vs threads " + Describe(p, fmt), serial, got);
+      }
+    }
+  }
+}
+
+// FP8 NaN codes decode to NaN and reach exactly the outputs that read them; M = 0 and N = 0 write nothing.
+void TestNanAndEmpty(const Variant& v) {
+  dsv4_test::RequireIsa(v.needs);
+  Rng rng(99);
+  for (ActType act : {ActType::kF32, ActType::kBf16}) {
+    for (int64_t m : {1, 20}) {
+      Problem p = MakeProblem(rng, act, Fmt::kFp8E8m0, m, 40, 64, 1, 32);
+      p.w.data[3 * 64 + 5] = 0x7F;
+      p.w.data[17 * 64 + 63] = 0xFF;
+      const std::vector<float> got = Run(v.run, p, dsv4::SerialParallel());
+      for (int64_t i = 0; i < m; ++i) {
+        for (int64_t j = 0; j < 40; ++j) {
+          const bool nan = std::isnan(got[i * 40 + j]);
+          KT_CHECK(nan == (j == 3 || j == 17)) << v.name << " row " << i << " col " << j << ": " << got[i * 40 + j];
+        }
+      }
+    }
+    const Problem p = MakeProblem(rng, act, Fmt::kBf16, 0, 8, 16, 1, 32);
+    v.run(act, nullptr, 0, p.w.view, 1, nullptr, dsv4::SerialParallel());
+    Problem q = MakeProblem(rng, act, Fmt::kBf16, 3, 0, 16, 1, 32);
+    v.run(act, q.x(), 3, q.w.view, 1, nullptr, dsv4::SerialParallel());
+  }
+}
+
+// E8M0 scale extremes (bytes 1 and 254 with small / large codes) decode exactly on the fp32 rows paths.
+void TestScaleExtremes(const Variant& v) {
+  dsv4_test::RequireIsa(v.needs);
+  for (Fmt fmt : {Fmt::kFp8E8m0, Fmt::kFp4}) {
+    Rng rng(5);
+    Problem p = MakeProblem(rng, ActType::kF32, fmt, 1, 2, 64, 1, 32);
+    std::fill(p.w.data.begin(), p.w.data.end(), 0);
+    p.x32.assign(64, 0.0f);
+    p.x32[0] = 1.0f;
+    if (fmt == Fmt::kFp4) {
+      p.w.data[0] = 0x02;   // row 0, col 0: 1.0 x 2^127
+      p.w.data[32] = 0x07;  // row 1, col 0: 6.0 x 2^-126
+      p.w.scale = {254, 254, 1, 1};
+    } else {
+      // 33 rows (two row blocks of 32): row 0 reads scale byte 1, row 32 scale byte 254
+      p = MakeProblem(rng, ActType::kF32, fmt, 1, 33, 64, 1, 32);
+      std::fill(p.w.data.begin(), p.w.data.end(), 0);
+      p.x32.assign(64, 0.0f);
+      p.x32[0] = 1.0f;
+      p.w.data[0] = 0x70;        // 128 x 2^-126
+      p.w.data[32 * 64] = 0x08;  // 2^-6 x 2^127
+      p.w.scale = {1, 1, 254, 254};
+    }
+    p.w.view.scale = p.w.scale.data();
+    const std::vector<float> want = Reference(p), got = Run(v.run, p, dsv4::SerialParallel());
+    for (size_t i = 0; i < want.size(); ++i) {
+      KT_CHECK(got[i] == want[i] || (std::isinf(got[i]) && got[i] == want[i]))
+          << v.name << " " << FmtName(fmt) << " output " << i << ": got " << got[i] << ", want " << want[i];
+    }
+  }
+}
+
+#if DSV4_X86_VARIANTS && DSV4_HAVE_AMX_EMULATION
+// The real tiles equal the emulated ones bit for bit (same decoding values, same tile arithmetic).
+void TestAmxMatchesEmulation() {
+  dsv4_test::RequireIsa(IsaLevel::kAmx);
+  const dsv4::LinearBlocks hw = AllTiles(dsv4::amx::kLinearBlocks);
+  const dsv4_test::ThreadParallel threads(2);
+  Rng rng(77);
+  for (ActType act : {ActType::kF32, ActType::kBf16}) {
+    for (Fmt fmt : kFormats) {
+      if (act == ActType::kF32 && (fmt == Fmt::kF32 || fmt == Fmt::kFp8F32)) continue;  // not on the tiles
+      for (int64_t m : {1, 17, 40}) {
+        const Problem p = MakeProblem(rng, act, fmt, m, 100, fmt == Fmt::kFp4 ? 192 : 200, 1, 64);
+        const auto run_hw = [&](ActType a, const void* x, int64_t mm, const WeightView& w, int64_t g, void* y,
+                                const dsv4::Parallel& par) { dsv4::RunLinear(hw, a, x, mm, w, g, y, par); };
+        const auto run_emu = [&](ActType a, const void* x, int64_t mm, const WeightView& w, int64_t g, void* y,
+                                 const dsv4::Parallel& par) {
+          dsv4::RunLinear(dsv4::amx_emu::kLinearBlocks, a, x, mm, w, g, y, par);
+        };
+        dsv4_test::ExpectIdentical("amx vs amx_emu " + Describe(p, fmt), Run(run_hw, p, threads.Get()),
+                                   Run(run_emu, p, dsv4::SerialParallel()));
+      }
+    }
+  }
+}
+
+// The vectorised activation layout and decoding equal the portable specification.
+void TestLayoutsMatchPortable() {
+  dsv4_test::RequireIsa(IsaLevel::kAvx512);
+  Rng rng(3);
+  for (ActType act : {ActType::kF32, ActType::kBf16}) {
+    for (int64_t m : {1, 16, 21}) {
+      for (int64_t kw : {1, 31, 64, 77}) {
+        const Problem p = MakeProblem(rng, act, Fmt::kBf16, m, 4, kw, 1, 32);
+        const size_t bytes = dsv4::TileXBytes(act, m, kw);
+        std::vector<uint8_t> a(bytes, 0xAB), b(bytes, 0xCD);
+        const int64_t blocks = (m + 15) / 16;
+        dsv4::avx512::PrepareTileBlocks(act, p.x(), kw, nullptr, m, kw, 0, blocks, a.data());
+        dsv4::portable::PrepareTileBlocks(act, p.x(), kw, nullptr, m, kw, 0, blocks, b.data());
+        dsv4_test::ExpectIdentical("tile layout " + Describe(p, Fmt::kBf16), a, b);
+      }
+    }
+  }
+  for (Fmt fmt : kFormats) {
+    const Weight w = MakeWeight(rng, fmt, 9, fmt == Fmt::kFp4 ? 96 : 77, 32);
+    const int64_t kc = 96;
+    std::vector<uint16_t> a(12 * kc, 1), b(12 * kc, 2);
+    dsv4::avx512::DecodeRowsBf16(w.view, 2, 12, 0, kc, a.data(), kc);
+    dsv4::portable::DecodeRowsBf16(w.view, 2, 12, 0, kc, b.data(), kc);
+    dsv4_test::ExpectIdentical(std::string("bf16 decode ") + FmtName(fmt), a, b);
+  }
+}
+#endif
+
+// SplitBf16x3 reconstructs x exactly for |x| >= 2^-100 (below that the last parts are flushed denormals), keeps
+// non-finite x in the first part.
+KT_TEST(linear_split_bf16x3) {
+  Rng rng(1);
+  for (int i = 0; i < 20000; ++i) {
+    const float x = std::ldexp(rng.Normal(), static_cast<int>(rng.Index(190)) - 90);
+    uint16_t h, m, l;
+    dsv4::SplitBf16x3(x, &h, &m, &l);
+    const double sum = static_cast<double>(dsv4::Bf16ToF32(h)) + dsv4::Bf16ToF32(m) + dsv4::Bf16ToF32(l);
+    KT_CHECK(sum == static_cast<double>(x)) << "x = " << x << " sum " << sum;
+  }
+  for (float x : {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()}) {
+    uint16_t h, m, l;
+    dsv4::SplitBf16x3(x, &h, &m, &l);
+    KT_CHECK(dsv4::Bf16ToF32(h) == x && m == 0 && l == 0);
+  }
+}
+
+const bool kRegistered = [] {
+  for (const Variant& v : Variants()) {
+    for (ActType act : {ActType::kF32, ActType::kBf16}) {
+      for (Fmt fmt : kFormats) {
+        kt::Register("linear_" + v.name + "_" + (act == ActType::kF32 ? "f32" : "bf16") + "_" + FmtName(fmt),
+                     [v, act, fmt] { TestShapes(v, act, fmt); });
+      }
+    }
+    kt::Register("linear_" + v.name + "_nan_codes_and_empty", [v] { TestNanAndEmpty(v); });
+    kt::Register("linear_" + v.name + "_scale_extremes", [v] { TestScaleExtremes(v); });
+  }
+#if DSV4_X86_VARIANTS && DSV4_HAVE_AMX_EMULATION
+  kt::Register("linear_amx_matches_emulation", TestAmxMatchesEmulation);
+  kt::Register("linear_avx512_layouts_match_portable", TestLayoutsMatchPortable);
+#endif
+  return true;
+}();
+
+}  // namespace
