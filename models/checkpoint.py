@@ -362,13 +362,23 @@ def _read_header(path: str) -> tuple[dict[str, Any], int]:
         raise CorruptCheckpointError("safetensors header is not a JSON object", file=path)
     header.pop("__metadata__", None)
     data_len = size - 8 - n
-    for name, info in sorted(header.items(), key=lambda kv: kv[1].get("data_offsets", [0])[0]):
-        try:
-            begin, end = info["data_offsets"]
-            shape = info["shape"]
-            code = info["dtype"]
-        except (KeyError, TypeError, ValueError):
-            raise CorruptCheckpointError("malformed header entry", tensor=name, file=path) from None
+
+    def count(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    for name, info in header.items():  # well-formed entries only (a crafted header must not reach the reader)
+        if not (isinstance(info, dict) and isinstance(info.get("dtype"), str)
+                and isinstance(info.get("shape"), list) and all(map(count, info["shape"]))
+                and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2
+                and all(map(count, info["data_offsets"]))):
+            raise CorruptCheckpointError("malformed header entry", tensor=name, file=path)
+        if info["data_offsets"][0] > info["data_offsets"][1]:
+            raise CorruptCheckpointError(f"data_offsets {info['data_offsets']} end before they begin", tensor=name,
+                                         file=path)
+    for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        begin, end = info["data_offsets"]
+        shape = info["shape"]
+        code = info["dtype"]
         if end > data_len:
             raise CorruptCheckpointError(
                 f"truncated shard: tensor bytes [{begin}, {end}) beyond the {data_len} data bytes present",

@@ -55,9 +55,66 @@ def read_metadata(model_dir: str | os.PathLike) -> dict:
         meta = json.loads(meta_path.read_text())
     except ValueError as e:
         raise ModelError(f"{meta_path} is corrupt: {e}") from None
-    if meta.get("format") != "dsv4-ort":
+    if not isinstance(meta, dict) or meta.get("format") != "dsv4-ort":
         raise ModelError(f"{meta_path} does not describe a dsv4-ort model")
+    _check_metadata(meta, meta_path)
     return meta
+
+
+def _check_metadata(meta: dict, meta_path: Path) -> None:
+    """The fields a Session reads, with the types it needs (a damaged or hand-edited file fails here, by name)."""
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise ModelError(f"{meta_path} is corrupt: {what}")
+
+    def count(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+    need(isinstance(meta.get("config"), dict) and count(meta["config"].get("vocab_size")),
+         "'config' with a positive 'vocab_size' is missing")
+    need(count(meta.get("max_seq_len")), "'max_seq_len' must be a positive integer")
+    need(isinstance(meta.get("op_table_version"), int), "'op_table_version' is missing")
+    state = meta.get("state")
+    need(isinstance(state, dict) and isinstance(state.get("tensors"), list) and "batch_dim" in state,
+         "'state' must hold 'batch_dim' and a list of 'tensors'")
+    for t in state["tensors"]:
+        need(isinstance(t, dict) and all(isinstance(t.get(k), str) for k in ("input", "output", "dtype"))
+             and isinstance(t.get("shape"), list) and all(d == state["batch_dim"] or count(d) for d in t["shape"]),
+             f"malformed state tensor entry {t!r}")
+
+
+def _check_against_graph(meta: dict, session, model_path: Path) -> None:
+    """dsv4_ort.json must describe the graph it sits next to: the op table version and capacity recorded inside
+    model.onnx, every state tensor (name, element type, fixed dimensions) and the vocabulary of the logits."""
+    from .state import STORAGE
+
+    def mismatch(what: str) -> ModelError:
+        return ModelError(f"{model_path.parent / META_FILE} does not match {model_path}: {what}")
+
+    recorded = session.get_modelmeta().custom_metadata_map
+    for key in ("op_table_version", "max_seq_len"):
+        if recorded.get(f"dsv4_ort.{key}") is not None and str(recorded[f"dsv4_ort.{key}"]) != str(meta[key]):
+            raise mismatch(f"{key} {meta[key]} in the JSON, {recorded[f'dsv4_ort.{key}']} in the graph")
+    inputs = {i.name: i for i in session.get_inputs()}
+    outputs = {o.name: o for o in session.get_outputs()}
+    for t in meta["state"]["tensors"]:
+        for name, table in ((t["input"], inputs), (t["output"], outputs)):
+            arg = table.get(name)
+            if arg is None:
+                raise mismatch(f"the graph has no state tensor {name!r}")
+            want = STORAGE.get(t["dtype"])
+            if want is None or arg.type != f"tensor({_ONNX_TYPE_NAMES.get(want[1], '?')})":
+                raise mismatch(f"state tensor {name!r} is {arg.type} in the graph, {t['dtype']} in the JSON")
+            fixed = [(a, b) for a, b in zip(arg.shape, t["shape"]) if isinstance(a, int)]
+            if len(arg.shape) != len(t["shape"]) or any(a != b for a, b in fixed):
+                raise mismatch(f"state tensor {name!r} has shape {arg.shape} in the graph, {t['shape']} in the JSON")
+    logits = outputs.get("logits")
+    vocab = meta["config"]["vocab_size"]
+    if logits is None or (logits.shape and isinstance(logits.shape[-1], int) and logits.shape[-1] != vocab):
+        raise mismatch(f"the logits output is {None if logits is None else logits.shape}, the vocabulary {vocab}")
+
+
+_ONNX_TYPE_NAMES = {1: "float", 16: "bfloat16", 10: "float16", 17: "float8e4m3fn", 2: "uint8", 7: "int64"}
 
 
 class Session:
@@ -98,7 +155,9 @@ class Session:
         self.prefill_chunk = prefill_chunk
         so = ort.SessionOptions()
         so.intra_op_num_threads = int(intra_op_threads or physical_cores())
-        so.log_severity_level = 3
+        # Fatal only: every error reaches the caller as an exception with the same text, so onnxruntime's own log lines
+        # would only repeat it (and break the one-line error of the command line).
+        so.log_severity_level = 4
         with dsv4_ort.isa_cap(isa):
             dsv4_ort.register(so)
             try:
@@ -107,6 +166,7 @@ class Session:
             except Exception as e:
                 raise ModelError(f"cannot load {self.model_dir / MODEL_FILE}: {str(e).strip().splitlines()[-1]}") \
                     from None
+        _check_against_graph(self.meta, self.session, self.model_dir / MODEL_FILE)
         self.threads = so.intra_op_num_threads
         self.tokenizer = None
         tok = self.model_dir / "tokenizer.json"

@@ -9,8 +9,8 @@
 // The weight is the A operand: an A tile is 16 weight rows x 32 columns of bf16, read with the row stride of a
 // decoded block. Per call (one task's weight rows [n0, n1)) with more than 32 tile rows (TilesFew below handles
 // the rest):
-//   for each block of 64 weight rows:
-//     for each chunk of at most 8192 columns (one chunk unless Kw is larger):
+//   for each block of 128 weight rows:
+//     for each chunk of at most 4096 columns (one chunk unless Kw is larger):
 //       decode rows x chunk to bf16 (<= 1 MiB) -- once, reused for every activation row; bf16 weights with
 //       Kw a multiple of 32 are read in place instead
 //       for each pair of 16-row activation blocks (32 tokens), for each 32-row half of the weight block:
@@ -22,7 +22,8 @@
 //         C tiles to the output, transposed to [token][weight row] (or parked for the next chunk)
 // The activations (B operand) were laid out once per call by prepare_tiles: per part, per 16-token block, per
 // 32-column step, one 1 KiB tile [16 column pairs][16 tokens][2] (see portable::PrepareTileBlocks); fp32
-// activations of at most kFoldRows rows are folded into one part (TileLayoutOf) and unfolded in FinishC. Weight rows
+// activations of at most kFoldRows rows are folded into one part (TileLayoutOf: 3m tile rows, at most two token
+// blocks) and unfolded in FinishTile. Weight rows
 // past n1 and columns past Kw decode as zeros and padded tokens are zeros, so edges need no special tiles.
 // GCC 12 reports its own _mm512_undefined_* placeholders as uninitialised (GCC PR 105593); silence only that.
 // Included before amx_tile.h, which includes it again.
@@ -51,8 +52,8 @@ namespace dsv4 {
 namespace DSV4_AMX_NS {
 namespace {
 
-constexpr int64_t kBlockRows = 64;  // weight rows decoded together (tile_rows)
-constexpr int64_t kMaxChunk = 8192;  // columns per decoded chunk: 64 x 8192 bf16 = 1 MiB
+constexpr int64_t kBlockRows = 128;  // weight rows decoded together (tile_rows)
+constexpr int64_t kMaxChunk = 4096;  // columns per decoded chunk: 128 x 4096 bf16 = 1 MiB
 
 constexpr int kC00 = 0, kC01 = 1, kC10 = 2, kC11 = 3;  // C[weight tile][token tile]
 constexpr int kA0 = 4, kA1 = 5, kB0 = 6, kB1 = 7;
@@ -136,13 +137,15 @@ void ConfigureTiles() {
   TileLoadConfig(cfg);
 }
 
-// A C tile c[16 weight rows][16 tokens] to out[token][weight row] for the first `tokens` x `rows`.
-void StoreTransposed(const float* c, int64_t rows, int64_t tokens, const MatOut& out, int64_t tok0, int64_t col0) {
+// A C tile c[16 weight rows][16 tokens] (row stride ldc floats) to out[token][weight row] for the first
+// `tokens` x `rows`.
+void StoreTransposed(const float* c, int64_t ldc, int64_t rows, int64_t tokens, const MatOut& out, int64_t tok0,
+                     int64_t col0) {
 #if !defined(DSV4_AMX_EMULATION)
   if (rows == 16) {
     // Transpose through 16 registers, then one (masked) row store per token.
     __m512i r[16];
-    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(c + i * 16);
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(c + i * ldc);
     __m512i t[16], u[16];
     for (int i = 0; i < 8; ++i) {
       t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
@@ -185,7 +188,7 @@ void StoreTransposed(const float* c, int64_t rows, int64_t tokens, const MatOut&
   for (int64_t tok = 0; tok < tokens; ++tok) {
     const int64_t at = (tok0 + tok) * out.ld + col0;
     for (int64_t n = 0; n < rows; ++n) {
-      const float v = c[n * 16 + tok];
+      const float v = c[n * ldc + tok];
       if (out.bf16) {
         static_cast<uint16_t*>(out.data)[at + n] = F32ToBf16(v);
       } else {
@@ -276,51 +279,43 @@ void ParkC(float* park) {
   }
 }
 
-// c[i] += d[i] for a 16 x 16 tile (fp32, same result on every backend).
-void AddTile(float* c, const float* d) {
-  for (int i = 0; i < 256; ++i) c[i] += d[i];
-}
-
-// Folded fp32 activations (TileLayout): tile column t of part p is column p * m + t; c[n][t] = (part 0 + part 1)
-// + part 2 for t < m.
-void Unfold(float* c, int64_t m) {
+// Folded fp32 activations (TileLayout): tile column t of part p is column p * m + t of c[16][ldc];
+// c[n][t] = (part 0 + part 1) + part 2 for t < m.
+void Unfold(float* c, int64_t ldc, int64_t m) {
   for (int n = 0; n < 16; ++n) {
-    float* row = c + n * 16;
+    float* row = c + n * ldc;
     for (int64_t t = 0; t < m; ++t) row[t] = (row[t] + row[m + t]) + row[2 * m + t];
   }
 }
 
-// Final C tiles to the output: rows / tokens valid in this 32 x 32 block; `fold` = m for folded activations.
+// Weight tile (kCa, kCb) = its C tiles for token tiles 0 and 1 (with one token tile: the even and odd step halves)
+// to the output: `rows` weight rows, `tokens` tile columns; `fold` = m for folded activations.
+template <int kMT, int kCa, int kCb>
+void FinishTile(int64_t rows, int64_t tokens, const MatOut& out, int64_t tok0, int64_t col0, int64_t fold) {
+  alignas(64) float c[16 * 32];  // [16 weight rows][32 tile columns]
+  TileStore<kCa>(c, 128);
+  if constexpr (kMT == 1) {
+    alignas(64) float d[256];
+    TileStore<kCb>(d, 64);
+    for (int n = 0; n < 16; ++n)
+      for (int t = 0; t < 16; ++t) c[n * 32 + t] += d[n * 16 + t];
+  } else {
+    TileStore<kCb>(c + 16, 128);
+  }
+  if (fold > 0) {
+    Unfold(c, 32, fold);
+    StoreTransposed(c, 32, rows, fold, out, tok0, col0);
+    return;
+  }
+  StoreTransposed(c, 32, rows, tokens < 16 ? tokens : 16, out, tok0, col0);
+  if (kMT == 2 && tokens > 16) StoreTransposed(c + 16, 32, rows, tokens - 16, out, tok0 + 16, col0);
+}
+
+// Final C tiles to the output: rows / tokens valid in this 32 x 32 block.
 template <int kNT, int kMT>
 void FinishC(int64_t rows, int64_t tokens, const MatOut& out, int64_t tok0, int64_t col0, int64_t fold) {
-  alignas(64) float c[256];
-  alignas(64) float d[256];
-  const int64_t r0 = rows < 16 ? rows : 16;
-  const int64_t t0 = fold > 0 ? fold : tokens < 16 ? tokens : 16;
-  TileStore<kC00>(c, 64);
-  if constexpr (kMT == 1) {
-    TileStore<kC01>(d, 64);
-    AddTile(c, d);
-    if (fold > 0) Unfold(c, fold);
-  }
-  StoreTransposed(c, r0, t0, out, tok0, col0);
-  if constexpr (kMT == 2) {
-    TileStore<kC01>(c, 64);
-    StoreTransposed(c, r0, tokens - 16, out, tok0 + 16, col0);
-  }
-  if constexpr (kNT == 2) {
-    TileStore<kC10>(c, 64);
-    if constexpr (kMT == 1) {
-      TileStore<kC11>(d, 64);
-      AddTile(c, d);
-      if (fold > 0) Unfold(c, fold);
-    }
-    StoreTransposed(c, rows - 16, t0, out, tok0, col0 + 16);
-  }
-  if constexpr (kNT == 2 && kMT == 2) {
-    TileStore<kC11>(c, 64);
-    StoreTransposed(c, rows - 16, tokens - 16, out, tok0 + 16, col0 + 16);
-  }
+  FinishTile<kMT, kC00, kC01>(rows < 16 ? rows : 16, tokens, out, tok0, col0, fold);
+  if constexpr (kNT == 2) FinishTile<kMT, kC10, kC11>(rows - 16, tokens, out, tok0, col0 + 16, fold);
 }
 
 template <int kNT, int kMT>
@@ -341,7 +336,7 @@ void Block(const Job& j, bool first, bool last, float* park, int64_t rows, int64
 
 // At most two token blocks (32 tile rows, the decode-sized calls): C stays in tiles over the whole K, and the
 // weight is decoded 32 rows x kPieceCols columns at a time, a piece that stays in L1 (the large-M order decodes
-// 64-row blocks of up to 8192 columns once and reuses them for every pair of token blocks).
+// 128-row blocks of up to 4096 columns once and reuses them for every pair of token blocks).
 
 template <int kNT, int kMT>
 void FewBlock(const WeightView& w, bool in_place, int64_t row0, const uint16_t* x, int64_t steps, int64_t parts,

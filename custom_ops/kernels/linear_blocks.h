@@ -20,14 +20,15 @@
 //          block of weight rows for more.
 //   tiles  (AMX) the weight is the A operand of TDPBF16PS: a 16 x 32 bf16 A tile is 16 weight rows x 32 columns,
 //          i.e. [N, Kw] read with the row stride: in place for bf16 weights, from a decoded bf16 block for the
-//          rest (64 rows x up to 8192 columns decoded once and reused for every 32 activation rows; pieces of
+//          rest (128 rows x up to 4096 columns decoded once and reused for every 32 activation rows; pieces of
 //          32 x 256 that stay in L1 when there are at most 32). The activations are the B operand, transposed
 //          into VNNI pairs once per call ([16 column pairs][16 tokens][2] per tile). C tiles come out as
 //          [16 weight rows][16 tokens] and are transposed on the way out. fp32 activations are split
 //          x = hi + mid + lo into three bf16 parts (24 significand bits in all, so every product is exact) and
-//          take three tile products, or one when at most kFoldRows rows let the three parts share a B tile. This
-//          needs the weight to be exact in bf16: true for bf16, FP4 and E8M0-scaled FP8 weights; fp32 weights and
-//          FP8 with fp32 scales under fp32 activations stay on the rows path.
+//          take three tile products (fewer when at most kFoldRows rows let the three parts share the B tiles' 16
+//          token columns: TileLayout). This needs the weight to be exact in bf16: true for bf16, FP4 and
+//          E8M0-scaled FP8 weights; fp32 weights and FP8 with fp32 scales under fp32 activations stay on the rows
+//          path.
 //
 // The activation operand is prepared once per call (per group, per expert) into the layout the level's inner loop
 // reads and padded with zeros to a multiple of 32 columns; weight tails are read with masks or decoded into
@@ -145,9 +146,9 @@ int64_t PaddedCols(int64_t cols);  // cols rounded up to a multiple of 32
 
 // How the m activation rows of a call are laid out for the tiles: `parts` bf16 parts (3 for fp32, 1 for bf16) of
 // `rows` tile rows in ceil(rows / 16) blocks of 16. fp32 activations with at most kFoldRows rows are folded: the
-// three parts of row t become tile rows t, m + t, 2m + t of a single part (one B tile holds them all, a third of
-// the tile products), and the three partial results are added at the end.
-constexpr int64_t kFoldRows = 5;
+// three parts of row t become tile rows t, m + t, 2m + t of a single part (one or two B tiles hold them all, a
+// third or two thirds of the tile products), and the three partial results are added at the end.
+constexpr int64_t kFoldRows = 10;
 struct TileLayout {
   int64_t parts, rows, blocks;
   bool folded;

@@ -25,6 +25,8 @@
 namespace dsv4 {
 namespace {
 
+const Parallel kSerial{};
+
 int64_t TargetTasks(const Parallel& par) { return par.num_threads > 1 ? 4 * static_cast<int64_t>(par.num_threads) : 1; }
 
 void RunReference(ActType act, const void* x, int64_t tokens, const float* weights, const int64_t* indices,
@@ -94,7 +96,9 @@ void PrepareAll(const LinearBlocks& b, ActType act, const WeightView& w, const s
     const int64_t blocks = blocks_of(jobs[i]);
     for (int64_t b0 = 0; b0 < blocks; b0 += chunk) items.push_back({i, b0, std::min(blocks, b0 + chunk)});
   }
-  par.For(items.size(), [&](size_t i) {
+  // A decode step prepares a few rows per expert: not worth waking the pool.
+  const Parallel& run_on = total_blocks <= 4 ? kSerial : par;
+  run_on.For(items.size(), [&](size_t i) {
     const ExpertJob& j = jobs[items[i].job];
     const void* x;
     int64_t ldx;

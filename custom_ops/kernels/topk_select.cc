@@ -31,7 +31,8 @@ void SelectTopKRadix(const float* score, int64_t n, int64_t k, int64_t* out) {
   unsigned char* mem = static_cast<unsigned char*>(
       ThreadScratch(3, n_sz * 4 + 2 * k_sz * 12 + 2048 * 4 + 256));
   uint32_t* key = reinterpret_cast<uint32_t*>(mem);
-  uint32_t* sel_key = key + n_sz;
+  // Each int64 run starts 8-byte aligned: key counts are rounded up to even (the 256 bytes of slack cover it).
+  uint32_t* sel_key = key + ((n_sz + 1) & ~size_t{1});
   int64_t* sel_idx = reinterpret_cast<int64_t*>(sel_key + ((k_sz + 1) & ~size_t{1}));
   uint32_t* tmp_key = reinterpret_cast<uint32_t*>(sel_idx + k_sz);
   int64_t* tmp_idx = reinterpret_cast<int64_t*>(tmp_key + ((k_sz + 1) & ~size_t{1}));

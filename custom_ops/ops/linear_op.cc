@@ -4,6 +4,7 @@
 // that is a constant initializer is checked once, when the kernel is created (an invalid one fails session
 // creation with the same message), and not again on each call. Weights are used in place, in their checkpoint
 // layout: the kernels need no repacked copy (kernels/linear_blocks.h), so a session holds each weight once.
+#include <algorithm>
 #include <string>
 
 #include "kernels/linear.h"
@@ -49,6 +50,15 @@ class LinearKernelBase : public Kernel {
     out_shape.push_back(w.rows);
     void* y = ctx.Output(0, out_shape);
     if (m == 0 || w.rows == 0) return;
+    if (w.cols == 0) {  // K = 0: every output is an empty sum (the kernels are not asked to tile zero columns)
+      const size_t n = static_cast<size_t>(m) * static_cast<size_t>(w.rows);
+      if (x.dtype == kBFloat16) {
+        std::fill_n(static_cast<uint16_t*>(y), n, uint16_t{0});
+      } else {
+        std::fill_n(static_cast<float*>(y), n, 0.0f);
+      }
+      return;
+    }
     if (x.dtype == kBFloat16) {
       bf16(x.as<uint16_t>(), m, w, groups_, static_cast<uint16_t*>(y), ctx.Par());
     } else {

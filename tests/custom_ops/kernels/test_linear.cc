@@ -281,7 +281,8 @@ void TestShapes(const Variant& v, ActType act, Fmt fmt) {
   }
 }
 
-// FP8 NaN codes decode to NaN and reach exactly the outputs that read them; M = 0 and N = 0 write nothing.
+// FP8 NaN codes decode to NaN and reach exactly the outputs that read them; M = 0 and N = 0 write nothing; Kw = 0
+// gives zeros.
 void TestNanAndEmpty(const Variant& v) {
   dsv4_test::RequireIsa(v.needs);
   Rng rng(99);
@@ -302,6 +303,11 @@ void TestNanAndEmpty(const Variant& v) {
     v.run(act, nullptr, 0, p.w.view, 1, nullptr, dsv4::SerialParallel());
     Problem q = MakeProblem(rng, act, Fmt::kBf16, 3, 0, 16, 1, 32);
     v.run(act, q.x(), 3, q.w.view, 1, nullptr, dsv4::SerialParallel());
+    for (int64_t m : {3, 20}) {  // Kw = 0: zeros (rows and tiles paths)
+      Problem z = MakeProblem(rng, act, Fmt::kBf16, m, 7, 0, 1, 32);
+      const std::vector<float> got = Run(v.run, z, dsv4::SerialParallel());
+      for (float g : got) KT_CHECK(g == 0.0f) << v.name << " Kw = 0, M = " << m << ": " << g;
+    }
   }
 }
 
