@@ -92,7 +92,6 @@ LEAK_PROBE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(SANITIZED, reason="ASan's quarantine and shadow memory make RSS meaningless")
 def test_repeated_sessions_do_not_leak(tiny):
     """50 create / run / destroy cycles in a fresh process: RSS after the first 10 (allocator pools, onnxruntime's
     one-time state warmed up) may grow by at most 2 MiB over the remaining 40. (A library that onnxruntime unloads
