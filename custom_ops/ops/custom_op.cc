@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "op_table_gen.h"
+#include "ops/op_checks.h"
 
 namespace dsv4::glue {
 namespace {
@@ -223,8 +224,7 @@ class OrtConstantInputs final : public ConstantInputs {
     v.present = true;
     v.dtype = type;
     v.name = op_.spec->inputs[index].name;
-    v.numel = 1;
-    for (int64_t d : v.shape) v.numel *= d;
+    v.numel = ShapeProduct(v.shape, "the element count");
     void* data = nullptr;
     if (v.numel > 0) Check(Api().GetTensorMutableData(const_cast<OrtValue*>(value), &data));
     v.data = data;
@@ -300,8 +300,7 @@ class OrtComputeContext final : public ComputeContext {
       Api().ReleaseTensorTypeAndShapeInfo(info);
       Check(s);
       v.dtype = type;
-      v.numel = 1;
-      for (int64_t d : v.shape) v.numel *= d;
+      v.numel = ShapeProduct(v.shape, "the element count");
       void* data = nullptr;
       if (v.numel > 0 && type != ONNX_TENSOR_ELEMENT_DATA_TYPE_STRING) {
         Check(Api().GetTensorMutableData(const_cast<OrtValue*>(value), &data));
@@ -330,8 +329,7 @@ class OrtComputeContext final : public ComputeContext {
       if (d < 0) Fail("internal error: negative output dimension for '", op_.spec->outputs[index].name, "'");
     }
     Check(Api().KernelContext_GetOutput(ctx_, index, shape.data(), shape.size(), &value));
-    int64_t numel = 1;
-    for (int64_t d : shape) numel *= d;
+    const int64_t numel = ShapeProduct(shape, "the element count");
     if (numel == 0) return nullptr;
     void* data = nullptr;
     Check(Api().GetTensorMutableData(value, &data));

@@ -45,8 +45,7 @@ class LinearKernelBase : public Kernel {
     }
     if (w.rows % groups_ != 0) Fail("weight has N=", w.rows, " rows, not a multiple of groups=", groups_);
     std::vector<int64_t> out_shape(x.shape.begin(), x.shape.end() - 1);
-    int64_t m = 1;
-    for (int64_t d : out_shape) m *= d;
+    const int64_t m = ShapeProduct(out_shape, "the number of rows of x");
     out_shape.push_back(w.rows);
     void* y = ctx.Output(0, out_shape);
     if (m == 0 || w.rows == 0) return;

@@ -8,9 +8,7 @@ namespace dsv4::glue {
 namespace {
 
 int64_t Product(const std::vector<int64_t>& shape, int begin, int end) {
-  int64_t n = 1;
-  for (int i = begin; i < end; ++i) n *= shape[i];
-  return n;
+  return ShapeProduct(shape, static_cast<size_t>(begin), static_cast<size_t>(end), "the product of x's dimensions");
 }
 
 void CheckWeight(const InputView& weight, int64_t n) {

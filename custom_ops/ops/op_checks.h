@@ -25,6 +25,20 @@ inline int64_t CheckedMul(int64_t a, int64_t b, const char* what) {
   return r;
 }
 
+// Product of shape[begin, end) (the whole shape by default). Any zero factor gives 0 (an empty tensor may carry
+// huge dimensions beside its zero); otherwise an overflow is an error naming `what`.
+inline int64_t ShapeProduct(const std::vector<int64_t>& shape, size_t begin, size_t end, const char* what) {
+  for (size_t i = begin; i < end; ++i) {
+    if (shape[i] == 0) return 0;
+  }
+  int64_t n = 1;
+  for (size_t i = begin; i < end; ++i) n = CheckedMul(n, shape[i], what);
+  return n;
+}
+inline int64_t ShapeProduct(const std::vector<int64_t>& shape, const char* what) {
+  return ShapeProduct(shape, 0, shape.size(), what);
+}
+
 inline void RequireShape(const InputView& t, const std::vector<int64_t>& want) {
   if (t.shape != want) Fail("input '", t.name, "' must have shape ", ShapeString(want), ", got ", ShapeString(t.shape));
 }
