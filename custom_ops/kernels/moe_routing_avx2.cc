@@ -1,8 +1,8 @@
 // AVX2 MoE router (moe_routing.h): vectorised scoring over 8 experts at a time and a streaming top-k selection that
 // never sorts the E experts. It must match moe_routing_ref.cc: identical indices whenever the selection keys are not
 // within a few ulps of each other (ties are resolved identically: lower index first), weights within fp32 rounding
-// of the scalar libm-based reference. Needs AVX2 + FMA. Same structure as moe_routing_avx512.cc, which documents the
-// selection scheme.
+// of the scalar libm-based reference. Needs AVX2 + FMA. The selection and the drivers are moe_routing_simd.inc;
+// this file scores 8 experts per vector.
 #include <immintrin.h>
 
 #include <cassert>
@@ -154,143 +154,22 @@ void GatherScores(const float* x, const int64_t* ids, int64_t k, const SoftmaxRo
   }
 }
 
-void NormaliseAndScale(float* w, int64_t k, bool norm_topk_prob, float routed_scaling_factor) {
-  if (norm_topk_prob) {
-    float sum = 0.0f;
-    for (int64_t i = 0; i < k; ++i) sum += w[i];
-    const float denom = sum + 1e-20f;
-    for (int64_t i = 0; i < k; ++i) w[i] = w[i] / denom;
-  }
-  for (int64_t i = 0; i < k; ++i) w[i] = w[i] * routed_scaling_factor;
-}
-
-// Index of the lowest set bit of a non-zero mask.
-int LowestSetBit(unsigned v) {
-#if defined(_MSC_VER) && !defined(__clang__)
-  unsigned long i;
-  _BitScanForward(&i, v);
-  return static_cast<int>(i);
-#else
-  return __builtin_ctz(v);
-#endif
-}
-
-// Inserts (key, e) into the rank-ordered keys/idx[0..held); when held == k the last entry falls out (the caller
-// guarantees key > keys[k-1] then). Returns the new count.
-int64_t Insert(float* keys, int64_t* idx, int64_t held, int64_t k, float key, int64_t e) {
-  int64_t p = held < k ? held : k - 1;
-  while (p > 0 && keys[p - 1] < key) {
-    keys[p] = keys[p - 1];
-    idx[p] = idx[p - 1];
-    --p;
-  }
-  keys[p] = key;
-  idx[p] = e;
-  return held < k ? held + 1 : held;
-}
-
+// Keys of experts [e0, e0 + 8) into kbuf; returns the candidate lanes (see moe_routing_simd.inc).
 template <MoeScoreFunc F>
-void TopkToken(const float* x, const float* bias, int64_t E, int64_t k, bool norm, float scale, float* w,
-               int64_t* idx) {
-  if (k == 0) return;
-  const SoftmaxRow row = F == MoeScoreFunc::kSoftmax ? SoftmaxStats(x, E) : SoftmaxRow{};
-  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  alignas(32) float kbuf[kLanes];
-  float* keys = w;  // keys live in the weight row until the end
-  int64_t held = 0;
-  float threshold = -std::numeric_limits<float>::infinity();  // keys[k-1] once held == k
-  for (int64_t e0 = 0; e0 < E; e0 += kLanes) {
-    const __m256i valid = TailMask(E - e0);
-    __m256 key = Score<F>(_mm256_maskload_ps(x + e0, valid), row);
-    if (bias != nullptr) key = _mm256_add_ps(key, _mm256_maskload_ps(bias + e0, valid));
-    key = _mm256_blendv_ps(key, neg_inf, IsNan(key));
-    const unsigned valid_bits = static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(valid)));
-    unsigned cand = held < k ? valid_bits
-                             : valid_bits & static_cast<unsigned>(_mm256_movemask_ps(
-                                                _mm256_cmp_ps(key, _mm256_set1_ps(threshold), _CMP_GT_OQ)));
-    if (cand == 0) continue;
-    _mm256_store_ps(kbuf, key);
-    while (cand != 0) {
-      const int lane = LowestSetBit(cand);
-      cand &= cand - 1;
-      if (held < k || kbuf[lane] > threshold) {
-        held = Insert(keys, idx, held, k, kbuf[lane], e0 + lane);
-        if (held == k) threshold = keys[k - 1];
-      }
-    }
-  }
-  GatherScores<F>(x, idx, k, row, w);
-  NormaliseAndScale(w, k, norm, scale);
+unsigned ChunkKeys(const float* x, const float* bias, int64_t e0, int64_t E, const SoftmaxRow& row, bool all,
+                   float threshold, float* kbuf) {
+  const __m256i valid = TailMask(E - e0);
+  __m256 key = Score<F>(_mm256_maskload_ps(x + e0, valid), row);
+  if (bias != nullptr) key = _mm256_add_ps(key, _mm256_maskload_ps(bias + e0, valid));
+  key = _mm256_blendv_ps(key, _mm256_set1_ps(-std::numeric_limits<float>::infinity()), IsNan(key));
+  _mm256_store_ps(kbuf, key);
+  const unsigned valid_bits = static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(valid)));
+  return all ? valid_bits
+             : valid_bits & static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(key, _mm256_set1_ps(threshold),
+                                                                                  _CMP_GT_OQ)));
 }
 
-template <MoeScoreFunc F>
-void FixedToken(const float* x, const int64_t* ids, int64_t E, int64_t k, bool norm, float scale, float* w) {
-  const SoftmaxRow row = F == MoeScoreFunc::kSoftmax ? SoftmaxStats(x, E) : SoftmaxRow{};
-  GatherScores<F>(x, ids, k, row, w);
-  NormaliseAndScale(w, k, norm, scale);
-}
-
-// Roughly 16k element-operations per task and at most 4 tasks per thread.
-size_t NumChunks(const Parallel& par, int64_t items, int64_t cost_per_item) {
-  int64_t chunks = items * (cost_per_item > 0 ? cost_per_item : 1) / 16384;
-  const int64_t by_threads = 4 * static_cast<int64_t>(par.num_threads > 0 ? par.num_threads : 1);
-  if (chunks > by_threads) chunks = by_threads;
-  if (chunks > items) chunks = items;
-  return static_cast<size_t>(chunks > 1 ? chunks : 1);
-}
-
-template <MoeScoreFunc F>
-void TopkRows(const float* logits, const float* bias, int64_t T, int64_t E, int64_t k, bool norm, float scale,
-              float* weights, int64_t* indices, const Parallel& par) {
-  par.ForRange(static_cast<size_t>(T), NumChunks(par, T, 4 * E), [&](size_t begin, size_t end) {
-    for (size_t t = begin; t < end; ++t) {
-      TopkToken<F>(logits + t * E, bias, E, k, norm, scale, weights + t * k, indices + t * k);
-    }
-  });
-}
-
-template <MoeScoreFunc F>
-void FixedRows(const float* logits, const int64_t* ids, int64_t T, int64_t E, int64_t k, bool norm, float scale,
-               float* weights, const Parallel& par) {
-  const int64_t cost = F == MoeScoreFunc::kSoftmax ? 2 * E : 4 * k;
-  par.ForRange(static_cast<size_t>(T), NumChunks(par, T, cost), [&](size_t begin, size_t end) {
-    for (size_t t = begin; t < end; ++t) FixedToken<F>(logits + t * E, ids + t * k, E, k, norm, scale, weights + t * k);
-  });
-}
-
-void MoeTopkRoute(const float* logits, const float* bias, int64_t num_tokens, int64_t num_experts, int64_t top_k,
-                  MoeScoreFunc score_func, bool norm_topk_prob, float routed_scaling_factor, float* weights,
-                  int64_t* indices, const Parallel& par) {
-  assert(num_experts >= 1 && top_k >= 0 && top_k <= num_experts && num_tokens >= 0);
-  switch (score_func) {
-    case MoeScoreFunc::kSqrtSoftplus:
-      return TopkRows<MoeScoreFunc::kSqrtSoftplus>(logits, bias, num_tokens, num_experts, top_k, norm_topk_prob,
-                                                   routed_scaling_factor, weights, indices, par);
-    case MoeScoreFunc::kSigmoid:
-      return TopkRows<MoeScoreFunc::kSigmoid>(logits, bias, num_tokens, num_experts, top_k, norm_topk_prob,
-                                              routed_scaling_factor, weights, indices, par);
-    case MoeScoreFunc::kSoftmax:
-      return TopkRows<MoeScoreFunc::kSoftmax>(logits, bias, num_tokens, num_experts, top_k, norm_topk_prob,
-                                              routed_scaling_factor, weights, indices, par);
-  }
-}
-
-void MoeFixedRoute(const float* logits, const int64_t* expert_ids, int64_t num_tokens, int64_t num_experts,
-                   int64_t top_k, MoeScoreFunc score_func, bool norm_topk_prob, float routed_scaling_factor,
-                   float* weights, const Parallel& par) {
-  assert(num_experts >= 1 && top_k >= 0 && num_tokens >= 0);
-  switch (score_func) {
-    case MoeScoreFunc::kSqrtSoftplus:
-      return FixedRows<MoeScoreFunc::kSqrtSoftplus>(logits, expert_ids, num_tokens, num_experts, top_k,
-                                                    norm_topk_prob, routed_scaling_factor, weights, par);
-    case MoeScoreFunc::kSigmoid:
-      return FixedRows<MoeScoreFunc::kSigmoid>(logits, expert_ids, num_tokens, num_experts, top_k, norm_topk_prob,
-                                               routed_scaling_factor, weights, par);
-    case MoeScoreFunc::kSoftmax:
-      return FixedRows<MoeScoreFunc::kSoftmax>(logits, expert_ids, num_tokens, num_experts, top_k, norm_topk_prob,
-                                               routed_scaling_factor, weights, par);
-  }
-}
+#include "custom_ops/kernels/moe_routing_simd.inc"
 
 }  // namespace
 

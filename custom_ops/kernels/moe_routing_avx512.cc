@@ -2,11 +2,7 @@
 // that never sorts the E experts. It must match moe_routing_ref.cc: identical indices whenever the selection keys
 // are not within a few ulps of each other (ties are resolved identically: lower index first), weights within fp32
 // rounding of the scalar libm-based reference. Needs AVX512F (+VL/BW/DQ as compiled for the "avx512" level).
-//
-// Selection: the k best (key, index) pairs are kept in rank order directly in the output rows (the weight row
-// holds the keys until the final weights overwrite them). Experts are visited in increasing index order, so a
-// candidate that only equals the current k-th key never displaces it (lower index wins). Once k entries are held,
-// a 16-lane compare against the k-th key skips almost every chunk; only winners take the O(k) insertion.
+// The selection and the drivers are moe_routing_simd.inc; this file scores 16 experts per vector.
 // GCC 12 reports its own _mm512_undefined_* placeholders as uninitialised (GCC PR 105593); silence only that.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
@@ -138,140 +134,20 @@ void GatherScores(const float* x, const int64_t* ids, int64_t k, const SoftmaxRo
   }
 }
 
-void NormaliseAndScale(float* w, int64_t k, bool norm_topk_prob, float routed_scaling_factor) {
-  if (norm_topk_prob) {
-    float sum = 0.0f;
-    for (int64_t i = 0; i < k; ++i) sum += w[i];
-    const float denom = sum + 1e-20f;
-    for (int64_t i = 0; i < k; ++i) w[i] = w[i] / denom;
-  }
-  for (int64_t i = 0; i < k; ++i) w[i] = w[i] * routed_scaling_factor;
-}
-
-// Index of the lowest set bit of a non-zero mask.
-int LowestSetBit(unsigned v) {
-#if defined(_MSC_VER) && !defined(__clang__)
-  unsigned long i;
-  _BitScanForward(&i, v);
-  return static_cast<int>(i);
-#else
-  return __builtin_ctz(v);
-#endif
-}
-
-// Inserts (key, e) into the rank-ordered keys/idx[0..held); when held == k the last entry falls out (the caller
-// guarantees key > keys[k-1] then). Returns the new count.
-int64_t Insert(float* keys, int64_t* idx, int64_t held, int64_t k, float key, int64_t e) {
-  int64_t p = held < k ? held : k - 1;
-  while (p > 0 && keys[p - 1] < key) {
-    keys[p] = keys[p - 1];
-    idx[p] = idx[p - 1];
-    --p;
-  }
-  keys[p] = key;
-  idx[p] = e;
-  return held < k ? held + 1 : held;
-}
-
+// Keys of experts [e0, e0 + 16) into kbuf; returns the candidate lanes (see moe_routing_simd.inc).
 template <MoeScoreFunc F>
-void TopkToken(const float* x, const float* bias, int64_t E, int64_t k, bool norm, float scale, float* w,
-               int64_t* idx) {
-  if (k == 0) return;
-  const SoftmaxRow row = F == MoeScoreFunc::kSoftmax ? SoftmaxStats(x, E) : SoftmaxRow{};
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  alignas(64) float kbuf[kLanes];
-  float* keys = w;  // keys live in the weight row until the end
-  int64_t held = 0;
-  float threshold = -std::numeric_limits<float>::infinity();  // keys[k-1] once held == k
-  for (int64_t e0 = 0; e0 < E; e0 += kLanes) {
-    const __mmask16 valid = TailMask(E - e0);
-    __m512 key = Score<F>(_mm512_maskz_loadu_ps(valid, x + e0), row);
-    if (bias != nullptr) key = _mm512_add_ps(key, _mm512_maskz_loadu_ps(valid, bias + e0));
-    key = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(key, key, _CMP_UNORD_Q), key, neg_inf);
-    unsigned cand = held < k ? valid : _mm512_mask_cmp_ps_mask(valid, key, _mm512_set1_ps(threshold), _CMP_GT_OQ);
-    if (cand == 0) continue;
-    _mm512_store_ps(kbuf, key);
-    while (cand != 0) {
-      const int lane = LowestSetBit(cand);
-      cand &= cand - 1;
-      if (held < k || kbuf[lane] > threshold) {
-        held = Insert(keys, idx, held, k, kbuf[lane], e0 + lane);
-        if (held == k) threshold = keys[k - 1];
-      }
-    }
-  }
-  GatherScores<F>(x, idx, k, row, w);
-  NormaliseAndScale(w, k, norm, scale);
+unsigned ChunkKeys(const float* x, const float* bias, int64_t e0, int64_t E, const SoftmaxRow& row, bool all,
+                   float threshold, float* kbuf) {
+  const __mmask16 valid = TailMask(E - e0);
+  __m512 key = Score<F>(_mm512_maskz_loadu_ps(valid, x + e0), row);
+  if (bias != nullptr) key = _mm512_add_ps(key, _mm512_maskz_loadu_ps(valid, bias + e0));
+  key = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(key, key, _CMP_UNORD_Q), key,
+                             _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
+  _mm512_store_ps(kbuf, key);
+  return all ? valid : _mm512_mask_cmp_ps_mask(valid, key, _mm512_set1_ps(threshold), _CMP_GT_OQ);
 }
 
-template <MoeScoreFunc F>
-void FixedToken(const float* x, const int64_t* ids, int64_t E, int64_t k, bool norm, float scale, float* w) {
-  const SoftmaxRow row = F == MoeScoreFunc::kSoftmax ? SoftmaxStats(x, E) : SoftmaxRow{};
-  GatherScores<F>(x, ids, k, row, w);
-  NormaliseAndScale(w, k, norm, scale);
-}
-
-// Roughly 16k element-operations per task and at most 4 tasks per thread.
-size_t NumChunks(const Parallel& par, int64_t items, int64_t cost_per_item) {
-  int64_t chunks = items * (cost_per_item > 0 ? cost_per_item : 1) / 16384;
-  const int64_t by_threads = 4 * static_cast<int64_t>(par.num_threads > 0 ? par.num_threads : 1);
-  if (chunks > by_threads) chunks = by_threads;
-  if (chunks > items) chunks = items;
-  return static_cast<size_t>(chunks > 1 ? chunks : 1);
-}
-
-template <MoeScoreFunc F>
-void TopkRows(const float* logits, const float* bias, int64_t T, int64_t E, int64_t k, bool norm, float scale,
-              float* weights, int64_t* indices, const Parallel& par) {
-  par.ForRange(static_cast<size_t>(T), NumChunks(par, T, 4 * E), [&](size_t begin, size_t end) {
-    for (size_t t = begin; t < end; ++t) {
-      TopkToken<F>(logits + t * E, bias, E, k, norm, scale, weights + t * k, indices + t * k);
-    }
-  });
-}
-
-template <MoeScoreFunc F>
-void FixedRows(const float* logits, const int64_t* ids, int64_t T, int64_t E, int64_t k, bool norm, float scale,
-               float* weights, const Parallel& par) {
-  const int64_t cost = F == MoeScoreFunc::kSoftmax ? 2 * E : 4 * k;
-  par.ForRange(static_cast<size_t>(T), NumChunks(par, T, cost), [&](size_t begin, size_t end) {
-    for (size_t t = begin; t < end; ++t) FixedToken<F>(logits + t * E, ids + t * k, E, k, norm, scale, weights + t * k);
-  });
-}
-
-void MoeTopkRoute(const float* logits, const float* bias, int64_t num_tokens, int64_t num_experts, int64_t top_k,
-                  MoeScoreFunc score_func, bool norm_topk_prob, float routed_scaling_factor, float* weights,
-                  int64_t* indices, const Parallel& par) {
-  assert(num_experts >= 1 && top_k >= 0 && top_k <= num_experts && num_tokens >= 0);
-  switch (score_func) {
-    case MoeScoreFunc::kSqrtSoftplus:
-      return TopkRows<MoeScoreFunc::kSqrtSoftplus>(logits, bias, num_tokens, num_experts, top_k, norm_topk_prob,
-                                                   routed_scaling_factor, weights, indices, par);
-    case MoeScoreFunc::kSigmoid:
-      return TopkRows<MoeScoreFunc::kSigmoid>(logits, bias, num_tokens, num_experts, top_k, norm_topk_prob,
-                                              routed_scaling_factor, weights, indices, par);
-    case MoeScoreFunc::kSoftmax:
-      return TopkRows<MoeScoreFunc::kSoftmax>(logits, bias, num_tokens, num_experts, top_k, norm_topk_prob,
-                                              routed_scaling_factor, weights, indices, par);
-  }
-}
-
-void MoeFixedRoute(const float* logits, const int64_t* expert_ids, int64_t num_tokens, int64_t num_experts,
-                   int64_t top_k, MoeScoreFunc score_func, bool norm_topk_prob, float routed_scaling_factor,
-                   float* weights, const Parallel& par) {
-  assert(num_experts >= 1 && top_k >= 0 && num_tokens >= 0);
-  switch (score_func) {
-    case MoeScoreFunc::kSqrtSoftplus:
-      return FixedRows<MoeScoreFunc::kSqrtSoftplus>(logits, expert_ids, num_tokens, num_experts, top_k,
-                                                    norm_topk_prob, routed_scaling_factor, weights, par);
-    case MoeScoreFunc::kSigmoid:
-      return FixedRows<MoeScoreFunc::kSigmoid>(logits, expert_ids, num_tokens, num_experts, top_k, norm_topk_prob,
-                                               routed_scaling_factor, weights, par);
-    case MoeScoreFunc::kSoftmax:
-      return FixedRows<MoeScoreFunc::kSoftmax>(logits, expert_ids, num_tokens, num_experts, top_k, norm_topk_prob,
-                                               routed_scaling_factor, weights, par);
-  }
-}
+#include "custom_ops/kernels/moe_routing_simd.inc"
 
 }  // namespace
 
