@@ -9,7 +9,9 @@ torch. "warm" runs back to back (the state stays in the last-level cache, which 
 it); "cold" streams a buffer larger than the cache through a core before every run (then runs a private copy of the
 inputs once to wake the session's threads), so the state comes from DRAM, as it does in a model whose weights flow
 through the cache between two attention calls. The all-threads streaming-read bandwidth (bench/stream_read.cc,
-compiled with g++ on the fly) is measured before and after, for comparison with the cold GB/s.
+compiled with g++ on the fly) is measured before and after, for comparison with the cold GB/s: %DRAM is the cold
+GB/s as a share of its best figure (or of --dram-gbs). GF/s counts the arithmetic of the products: SparseAttention
+4 H D flops per attended key and query (QK and PV), Indexer 2 nI cI per visible entry and query.
 
   python bench/bench_attention.py                          # everything (30 min or more on 2 cores)
   python bench/bench_attention.py --cases attn_decode_csa --contexts 16384 --levels avx512 amx
@@ -173,6 +175,10 @@ def attention_case(kind: str, ctx: int, B: int, S: int, dtype: str, rng):
     }
     # ring rows any query of the chunk sees: positions start - n_win + 1 .. start - 1 (the chunk's own rows are kv)
     keys_read = B * min(N_WIN - 1, ctx - S)
+    # keys per query (ring rows and chunk tokens in its window; entries added below), for the flop count
+    p0 = ctx - S
+    per_query = np.array([min(p0, max(0, N_WIN - 1 - s)) + min(s + 1, N_WIN) for s in range(S)], np.int64)
+    attended = np.tile(per_query, (B, 1))
     if kind == "csa":
         idx = np.empty((B, S, TOPK), np.int64)
         sel = 0
@@ -183,15 +189,18 @@ def attention_case(kind: str, ctx: int, B: int, S: int, dtype: str, rng):
                 idx[b, s] = rng.choice(vis, TOPK, replace=False) if vis >= TOPK else np.pad(
                     rng.permutation(vis), (0, TOPK - vis), constant_values=-1)
                 chosen.update(int(i) for i in idx[b, s] if i >= 0)
+                attended[b, s] += len({int(i) for i in idx[b, s] if 0 <= i < vis})
             sel += len(chosen)
         inputs["indices"] = idx
         keys_read += sel
     elif kind == "hca":
         keys_read += B * (ctx // ratio)
+        attended += np.array([(p0 + s + 1) // ratio for s in range(S)], np.int64)[None, :]
     elem = 2 if dtype == "bf16" else 4
     nbytes = (inputs["q"].nbytes + inputs["kv"].nbytes + keys_read * D * elem
               + (inputs["indices"].nbytes if inputs["indices"] is not None else 0))
-    return inputs, dict(ratio=ratio), nbytes
+    flops = 4.0 * H * D * float(attended.sum())  # QK and PV, a multiply and an add each
+    return inputs, dict(ratio=ratio), nbytes, flops
 
 
 def indexer_case(ctx: int, B: int, S: int, dtype: str, rng):
@@ -207,7 +216,8 @@ def indexer_case(ctx: int, B: int, S: int, dtype: str, rng):
     visible = (ctx - S + S) // ratio  # the last query's
     elem = 2 if dtype == "bf16" else 4
     nbytes = inputs["q"].nbytes + inputs["weights"].nbytes + B * visible * CI * elem
-    return inputs, dict(ratio=ratio, index_topk=TOPK), nbytes
+    flops = 2.0 * NI * CI * B * sum((ctx - S + s + 1) // ratio for s in range(S))  # the q . key products
+    return inputs, dict(ratio=ratio, index_topk=TOPK), nbytes, flops
 
 
 def compressor_case(kind: str, ctx: int, B: int, S: int, dtype: str, rng):
@@ -229,7 +239,7 @@ def compressor_case(kind: str, ctx: int, B: int, S: int, dtype: str, rng):
     }
     # bytes that must be read: the new tokens' kv and score, ape, and the state (pooled when an entry is emitted)
     nbytes = sum(inputs[k].nbytes for k in ("kv", "score", "ape", "past_kv_state", "past_score_state"))
-    return inputs, dict(rms_eps=1e-6), nbytes
+    return inputs, dict(rms_eps=1e-6), nbytes, None
 
 
 def normrope_case(ctx: int, B: int, S: int, dtype: str, rng):
@@ -237,7 +247,7 @@ def normrope_case(ctx: int, B: int, S: int, dtype: str, rng):
     cast = as_bf16 if dtype == "bf16" else (lambda a: np.ascontiguousarray(a, np.float32))
     inputs = {"x": cast(rng.standard_normal((B, S, H, D), np.float32)), "weight": None,
               "start_pos": np.full(B, ctx - S, np.int64), "inv_freq": INV_FREQ}
-    return inputs, dict(eps=1e-6), inputs["x"].nbytes
+    return inputs, dict(eps=1e-6), inputs["x"].nbytes, None
 
 
 def torch_inputs(inputs: dict, bf16: bool) -> dict:
@@ -293,6 +303,14 @@ CASES = {
 }
 
 
+def stream_gbs(line: str):
+    """The best GB/s of a stream_bandwidth line, or None."""
+    import re
+
+    m = re.search(r"best ([0-9.]+) GB/s", line)
+    return float(m.group(1)) if m else None
+
+
 def stream_bandwidth(threads: int) -> str:
     """All-threads streaming read of 2 GiB (bench/stream_read.cc, compiled with g++ on the fly): the DRAM figure the
     cold GB/s are compared with. Returns the program's line, or a note when g++ is missing."""
@@ -319,6 +337,8 @@ def main():
     ap.add_argument("--scalar-max-ms", type=float, default=3000.0, help="one scalar run only above this time")
     ap.add_argument("--torch-max-s", type=float, default=3.0, help="one torch run only above this time")
     ap.add_argument("--no-stream", action="store_true", help="skip the DRAM bandwidth probe")
+    ap.add_argument("--dram-gbs", type=float, default=None,
+                    help="DRAM read bandwidth for the %%DRAM column (default: the probe's best figure)")
     ap.add_argument("--list", action="store_true")
     args = ap.parse_args()
     if args.list:
@@ -331,10 +351,16 @@ def main():
     flush = Flusher(args.flush_gib) if args.flush_gib > 0 else None
     print(f"library {info['library_path']}; ISA max {top}; threads {args.threads}; median of {args.reps}")
     print(f"load average at start: {os.getloadavg()}")
+    dram = args.dram_gbs
     if not args.no_stream:
-        print(stream_bandwidth(args.threads))
+        line = stream_bandwidth(args.threads)
+        print(line)
+        dram = dram or stream_gbs(line)
+    # GFLOP/s: the arithmetic of the products (SparseAttention: QK and PV over the keys each query attends;
+    # Indexer: the q . key dots); %DRAM: cold GB/s as a share of the DRAM read bandwidth
     hdr = (f"{'case':<18} {'ctx':>6} {'B':>2} {'S':>4} {'dtype':<5} {'level':<7} {'warm ms':>9} {'cold ms':>9} "
-           f"{'MB read':>8} {'warm GB/s':>9} {'cold GB/s':>9} {'x scalar':>8} {'x torch':>8}")
+           f"{'MB read':>8} {'warm GB/s':>9} {'cold GB/s':>9} {'warm GF/s':>9} {'cold GF/s':>9} {'%DRAM':>6} "
+           f"{'x scalar':>8} {'x torch':>8}")
     print(hdr)
     rng = np.random.default_rng(0)
     for name in args.cases:
@@ -344,20 +370,20 @@ def main():
                 for dtype in args.dtypes:
                     bf16 = dtype == "bf16"
                     if op == "SparseAttention":
-                        inputs, attrs, nbytes = attention_case(kind, ctx, B, S, dtype, rng)
+                        inputs, attrs, nbytes, flops = attention_case(kind, ctx, B, S, dtype, rng)
                         alias = {"present_window": "past_window"}
                         tfn = torch_attention(inputs, attrs, bf16)
                     elif op == "Indexer":
-                        inputs, attrs, nbytes = indexer_case(ctx, B, S, dtype, rng)
+                        inputs, attrs, nbytes, flops = indexer_case(ctx, B, S, dtype, rng)
                         alias = {}
                         tfn = torch_indexer(inputs, attrs, bf16)
                     elif op == "Compressor":
-                        inputs, attrs, nbytes = compressor_case(kind, ctx, B, S, dtype, rng)
+                        inputs, attrs, nbytes, flops = compressor_case(kind, ctx, B, S, dtype, rng)
                         alias = {"present_entries": "past_entries", "present_kv_state": "past_kv_state",
                                  "present_score_state": "past_score_state"}
                         tfn = torch_compressor(inputs, attrs, bf16)
                     else:
-                        inputs, attrs, nbytes = normrope_case(ctx, B, S, dtype, rng)
+                        inputs, attrs, nbytes, flops = normrope_case(ctx, B, S, dtype, rng)
                         alias = {}
                         tfn = torch_normrope(inputs, attrs, bf16)
                     t_torch = None
@@ -385,8 +411,12 @@ def main():
                         cold_bw = f"{nbytes / cold / 1e9:9.2f}" if cold else f"{'-':>9}"
                         xs = f"{t_scalar / warm:8.1f}" if t_scalar else f"{'-':>8}"
                         xt = f"{t_torch / warm:8.1f}" if t_torch else f"{'-':>8}"
+                        wgf = f"{flops / warm / 1e9:9.1f}" if flops else f"{'-':>9}"
+                        cgf = f"{flops / cold / 1e9:9.1f}" if flops and cold else f"{'-':>9}"
+                        pct = f"{100 * nbytes / cold / 1e9 / dram:6.1f}" if cold and dram else f"{'-':>6}"
                         print(f"{name:<18} {ctx:>6} {B:>2} {S:>4} {dtype:<5} {level:<7} {warm * 1e3:9.3f} {cold_s} "
-                              f"{mb:8.2f} {nbytes / warm / 1e9:9.2f} {cold_bw} {xs} {xt}", flush=True)
+                              f"{mb:8.2f} {nbytes / warm / 1e9:9.2f} {cold_bw} {wgf} {cgf} {pct} {xs} {xt}",
+                              flush=True)
                     if t_torch:
                         print(f"{name:<18} {ctx:>6} {B:>2} {S:>4} {dtype:<5} {'torch':<7} {t_torch * 1e3:9.3f}",
                               flush=True)

@@ -352,7 +352,7 @@ def moe(args, workdir: Path):
             act = ACTS[act_name]
             experts = args.moe_experts
             path, _ = build_moe_model(workdir, "moe", fmt, experts, dim, inter, act)
-            for level in args.levels:
+            for level in args.levels if "decode" in args.moe_modes else []:
                 if level == "scalar":
                     continue
                 sess = session(path, level)
@@ -383,6 +383,8 @@ def moe(args, workdir: Path):
                 del sess
             os.remove(path)
             os.remove(workdir / "moe.bin")
+            if "prefill" not in args.moe_modes:
+                continue
             # prefill: 512 tokens over 64 experts
             path, _ = build_moe_model(workdir, "moe", fmt, 64, dim, inter, act)
             tokens = 512
@@ -476,6 +478,7 @@ def main():
     p.add_argument("--prefill-m", nargs="+", type=int, default=[16, 64, 128, 256, 512, 2048])
     p.add_argument("--decode-gb", type=float, default=1.2, help="weight bytes per decode model (GB)")
     p.add_argument("--moe-experts", type=int, default=128)
+    p.add_argument("--moe-modes", nargs="+", default=["decode", "prefill"], choices=["decode", "prefill"])
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--workdir", default=None, help="where the model files go (default: a temporary directory)")
     args = p.parse_args()

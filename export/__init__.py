@@ -49,8 +49,15 @@ stale contents are never read. The batch dim is symbolic so one export serves an
 recorded for the runtime's allocation. ``max_seq_len`` must be a positive multiple of every compress ratio (128 for
 DeepSeek-V4) and at most ``max_position_embeddings``.
 
+With ``state="fp8"`` (``--state fp8``) ``window`` and ``entries`` are uint8 ``[batch, ..., E]`` rows of the FP8
+attention-entry layout, E = (D - rd) + 2*rd + pad8((D - rd) / 64) bytes (584 for D = 512, rd = 64), and
+``index_keys`` uint8 ``[batch, N // 4, cI + 4]`` (E4M3 codes + a float32 scale); the Compressor nodes carry
+``fp8_layout`` and the metadata records ``state.format = "fp8"`` (see the FP8 state section of
+:mod:`dsv4_ort.models.functional`). The compressor rows stay float32.
+
 Not exported: the MTP block(s) (speculative decoding is later work); their checkpoint tensors are skipped.
-Activations and state are float32; bf16 / FP8 / FP4 weights are consumed directly by the custom ops.
+Activations are float32, and so is the state by default; bf16 / FP8 / FP4 weights are consumed directly by the
+custom ops.
 """
 
 # The exporter needs onnx, plus torch to read checkpoints (a preset export with random weights needs only numpy and

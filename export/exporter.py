@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 from . import schema
-from .graph import ACT, BATCH, SEQ, DecoderGraph, GraphBuildError, Weight, input_accepts, layer_kind, make_model
+from .graph import (ACT, BATCH, SEQ, STATE_FORMATS, DecoderGraph, GraphBuildError, Weight, input_accepts, layer_kind,
+                    make_model)
 from .weights import (ONNX_DTYPE_NAMES, WEIGHT_MODES, ExternalDataWriter, WeightFormatError, convert,
                       external_initializer, release_pages, stacked_name, tensor_role)
 
@@ -168,7 +169,7 @@ def _fsync_dir(path: Path) -> None:
 
 def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights: str = "native",
                  max_seq_len: int | None = None, max_batch: int = DEFAULT_MAX_BATCH, logits: str = "last",
-                 progress: bool = True, seed: int = 0, check: bool = True) -> Path:
+                 progress: bool = True, seed: int = 0, check: bool = True, state: str = "default") -> Path:
     """Export a DeepSeek-V4 checkpoint (or a preset with random weights) to ONNX.
 
     Args:
@@ -184,6 +185,9 @@ def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights:
             most ``max_position_embeddings`` (default: min(4096, max_position_embeddings), rounded down).
         max_batch: rows the runtime should allocate state for (recorded; the graph's batch dim is symbolic).
         logits: ``last`` (``[batch, 1, vocab]``, the last position of each row) or ``all`` (``[batch, seq, vocab]``).
+        state: ``default`` (window, entries and indexer keys in the activation dtype) or ``fp8`` (uint8 rows: FP8
+            E4M3 no-rope channels with E8M0 block scales and bf16 rope channels for window / entries, E4M3 codes
+            with a float32 scale for indexer keys; see the FP8 state section of :mod:`dsv4_ort.models.functional`).
         progress: tqdm bar over the tensors written.
         check: run ``onnx.checker.check_model(full_check=True)`` on the graph before writing it.
     Returns:
@@ -201,6 +205,8 @@ def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights:
         raise ExportError(f"logits must be one of {LOGITS_MODES}, got {logits!r}")
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise ExportError(f"max_batch must be a positive integer, got {max_batch!r}")
+    if state not in STATE_FORMATS:
+        raise ExportError(f"state must be one of {STATE_FORMATS}, got {state!r}")
     out_dir = Path(out_dir)
     config, source, origin, ck_dir = _load_source(checkpoint_dir, preset, seed)
     max_seq_len = default_max_seq_len(config) if max_seq_len is None else check_max_seq_len(config, max_seq_len)
@@ -221,7 +227,7 @@ def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights:
         writer.close()
         t_weights = time.perf_counter() - t0
 
-        dg = DecoderGraph(config, written, max_seq_len=max_seq_len, logits=logits)
+        dg = DecoderGraph(config, written, max_seq_len=max_seq_len, logits=logits, state=state)
         g = dg.build()
         for name in sorted({n for n in g.types} & set(writer.entries())):
             g.initializers.append(external_initializer(writer.entries()[name], tmp_data.name))
@@ -411,6 +417,7 @@ def _metadata(config, dg: DecoderGraph, g, origin, mode, formats, max_seq_len, m
         "inputs": [io(v) for v in g.inputs], "outputs": [io(v) for v in g.outputs],
         "dims": {BATCH: "rows of the batch", SEQ: "new tokens per row (prefill chunk or 1 for decode)"},
         "state": {"batch_dim": BATCH, "initial_value": 0.0, "layers": layers, "tensors": state,
+                  "format": dg.state_format,
                   "note": "bind one buffer per tensor as both past.L.name and present.L.name; zero-initialised "
                           "buffers are valid for any row at start_pos 0 (stale contents are never read)"},
         "tokenizer": {"present": bool(tok_files), "files": list(tok_files)},

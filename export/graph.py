@@ -41,7 +41,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from . import schema
 
-FLOAT, BF16, I64 = TensorProto.FLOAT, TensorProto.BFLOAT16, TensorProto.INT64
+FLOAT, BF16, I64, U8 = TensorProto.FLOAT, TensorProto.BFLOAT16, TensorProto.INT64, TensorProto.UINT8
+STATE_FORMATS = ("default", "fp8")
 ACT = FLOAT  # activation and state dtype of the exported graph
 OPSET = 21
 IR_VERSION = 10  # opset 21 needs IR 10; onnxruntime 1.21 reads IR <= 10
@@ -228,20 +229,36 @@ def layer_kind(ratio: int) -> str:
     return "swa" if ratio == 0 else ("csa" if ratio == 4 else "hca")
 
 
-def state_tensors(config, max_seq_len: int) -> list[StateTensor]:
-    """The state of every main layer, in graph order (see the module docstring of :mod:`dsv4_ort.export`)."""
+def state_tensors(config, max_seq_len: int, state: str = "default") -> list[StateTensor]:
+    """The state of every main layer, in graph order (see the module docstring of :mod:`dsv4_ort.export`).
+
+    ``state="fp8"``: window and entries are uint8 rows of the FP8 attention-entry layout and the indexer keys uint8
+    rows of the FP8 index-key layout (:mod:`dsv4_ort.models.functional`, FP8 state); compressor rows stay float32.
+    """
     c = config
     D, cI = c.head_dim, c.index_head_dim
+    if state not in STATE_FORMATS:
+        raise GraphBuildError(f"state must be one of {STATE_FORMATS}, got {state!r}")
+    fp8 = state == "fp8"
+    if fp8:
+        rd = c.qk_rope_head_dim
+        if not 0 <= rd <= D or (D - rd) % 64:
+            raise GraphBuildError(f"state 'fp8' needs head_dim - qk_rope_head_dim ({D} - {rd}) to be a non-negative "
+                                  f"multiple of 64")
+        # = functional.fp8_entry_bytes / fp8_index_bytes (this module must not import torch)
+        row, key_row, elem = (D - rd) + 2 * rd + ((D - rd) // 64 + 7) // 8 * 8, cI + 4, U8
+    else:
+        row, key_row, elem = D, cI, ACT
     out = []
     for layer, r in enumerate(c.layer_ratios):
-        out.append(StateTensor(layer, "window", (BATCH, c.sliding_window, D), ACT))
+        out.append(StateTensor(layer, "window", (BATCH, c.sliding_window, row), elem))
         if r > 0:
             coff = 2 if r == 4 else 1
-            out.append(StateTensor(layer, "entries", (BATCH, max_seq_len // r, D), ACT))
+            out.append(StateTensor(layer, "entries", (BATCH, max_seq_len // r, row), elem))
             out.append(StateTensor(layer, "kv_state", (BATCH, coff * r, coff * D), FLOAT))
             out.append(StateTensor(layer, "score_state", (BATCH, coff * r, coff * D), FLOAT))
         if r == 4:
-            out.append(StateTensor(layer, "index_keys", (BATCH, max_seq_len // 4, cI), ACT))
+            out.append(StateTensor(layer, "index_keys", (BATCH, max_seq_len // 4, key_row), elem))
             out.append(StateTensor(layer, "index_kv_state", (BATCH, 8, 2 * cI), FLOAT))
             out.append(StateTensor(layer, "index_score_state", (BATCH, 8, 2 * cI), FLOAT))
     return out
@@ -253,13 +270,14 @@ def state_tensors(config, max_seq_len: int) -> list[StateTensor]:
 class DecoderGraph:
     """Builds the decoder graph from the config and the written weights (``weights``: name -> :class:`Weight`)."""
 
-    def __init__(self, config, weights: dict, *, max_seq_len: int, logits: str = "last"):
+    def __init__(self, config, weights: dict, *, max_seq_len: int, logits: str = "last", state: str = "default"):
         self.c = config
         self.w = weights
         self.max_seq_len = max_seq_len
         self.logits_mode = logits
+        self.state_format = state
         self.g = GraphBuilder()
-        self.state = state_tensors(config, max_seq_len)
+        self.state = state_tensors(config, max_seq_len, state)
 
     # ------------------------------------------------------------------------------------------- helpers
 
@@ -395,8 +413,9 @@ class DecoderGraph:
         return hc_post(f, x, post, comb, "ffn")
 
     def compressor(self, x: str, prefix: str, start_pos: str, inv: str, entries: StateTensor,
-                   kv_state: StateTensor, score_state: StateTensor) -> str:
-        """One Compressor node (projections in float32), returns the present entries."""
+                   kv_state: StateTensor, score_state: StateTensor, layout: str = "attention") -> str:
+        """One Compressor node (projections in float32), returns the present entries (``layout``: the FP8 row
+        layout, "attention" or "index", used when the entries are uint8)."""
         kv = self.linear(x, f"{prefix}.wkv.weight", f"{prefix}.wkv")
         score = self.linear(x, f"{prefix}.wgate.weight", f"{prefix}.wgate")
         ins = {"kv": kv, "score": score, "ape": self._w(f"{prefix}.ape").name,
@@ -406,7 +425,8 @@ class DecoderGraph:
         outs = {"present_entries": (entries.output_name, entries.elem, list(entries.shape)),
                 "present_kv_state": (kv_state.output_name, kv_state.elem, list(kv_state.shape)),
                 "present_score_state": (score_state.output_name, score_state.elem, list(score_state.shape))}
-        return self.g.custom("Compressor", ins, outs, prefix, rms_eps=float(self.c.rms_norm_eps))[0]
+        attrs = {"fp8_layout": layout} if entries.elem == U8 else {}
+        return self.g.custom("Compressor", ins, outs, prefix, rms_eps=float(self.c.rms_norm_eps), **attrs)[0]
 
     def attention(self, layer: int, ratio: int, x: str, start_pos: str, inv: str, st: dict) -> str:
         c, g = self.c, self.g
@@ -430,7 +450,7 @@ class DecoderGraph:
         if ratio == 4:
             nI, cI = c.index_n_heads, c.index_head_dim
             keys = self.compressor(x, f"{p}.indexer.compressor", start_pos, inv, st["index_keys"],
-                                   st["index_kv_state"], st["index_score_state"])
+                                   st["index_kv_state"], st["index_score_state"], layout="index")
             iq = self.linear(qr, f"{p}.indexer.wq_b.weight", f"{p}.indexer.wq_b")
             iq = g.node("Reshape", [iq, self._i64("const.index_heads", [0, 0, nI, cI])],
                         [(f"{p}.indexer.q_heads", ACT, [BATCH, SEQ, nI, cI])], f"{p}.indexer.q_heads")[0]

@@ -15,7 +15,8 @@ Conventions
   cos/sin). The inverse rotation negates the sine.
 
 Numerics follow transformers' ``models/deepseek_v4`` (the test oracle). Differences from DeepSeek's own
-``inference/model.py``: no FP8/FP4 quantisation-aware round trips of activations, kv or indexer q/k,
+``inference/model.py``: no FP8/FP4 quantisation-aware round trips of activations, kv or indexer q/k
+(except the optional FP8 state, which quantises the stored window, entries and indexer keys; see "FP8 state"),
 and no Hadamard rotation of the indexer q/k (orthonormal, so index scores agree in exact arithmetic);
 index scores are float32 rather than bfloat16. Differences from transformers that change rounding
 only: the compressor and router projections run in float32 for every activation dtype (as DeepSeek's
@@ -225,6 +226,111 @@ def route_hash(logits: torch.Tensor, input_ids: torch.Tensor, tid2eid: torch.Ten
     return _route_weights(_scores(logits, scoring), indices, norm_topk_prob, routed_scaling_factor), indices
 
 
+# ---------------------------------------------------------------------------------------------- FP8 state
+#
+# Optional FP8 attention state (exports with ``state="fp8"``; custom_ops/kernels/state_fp8.h is the C++ side).
+# The window ring and the compressed entries store one row per entry of D channels (the last ``rope`` carry RoPE,
+# D - rope a multiple of 64): (D - rope) E4M3FN codes, the rope channels as bf16, then one E8M0 scale byte per 64
+# no-rope channels padded with zero bytes to a multiple of 8 (D = 512, rope = 64: 448 + 128 + 8 = 584 bytes, the
+# released engines' per-token format, stored per entry rather than in their paged "data then scales" blocks).
+# Indexer keys store cI E4M3FN codes and one float32 power-of-two scale (cI + 4 bytes).
+# Quantiser per 64-channel block (or whole key): amax = max|x| (NaN if any is NaN), e = the smallest integer with
+# 2^e >= max(amax, 1e-4) / 448 (float32, exact via frexp; e = 127 when amax is not finite), codes =
+# E4M3FN(clamp(x / 2^e, -448, 448)) with round-to-nearest-even. Decoding (code * 2^e, bf16 widened) is exact, so the
+# reference keeps dequantised values in ordinary tensors: the write points apply :func:`fp8_entry_qdq` /
+# :func:`fp8_index_qdq` and the readers are unchanged.
+
+FP8_BLOCK = 64
+FP8_AMAX_FLOOR = 1e-4
+
+
+def fp8_entry_bytes(dim: int, rope: int) -> int:
+    """Bytes of one FP8 attention entry of ``dim`` channels with ``rope`` rope channels."""
+    n = dim - rope
+    if dim < 1 or not 0 <= rope <= dim or n % FP8_BLOCK:
+        raise ValueError(f"FP8 state needs dim - rope ({dim} - {rope}) to be a non-negative multiple of {FP8_BLOCK}")
+    return n + 2 * rope + (n // FP8_BLOCK + 7) // 8 * 8
+
+
+def fp8_index_bytes(dim: int) -> int:
+    """Bytes of one FP8 indexer key of ``dim`` channels."""
+    return dim + 4
+
+
+def _fp8_scale(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """amax float32 [...] -> (exponent int32 [...], scale 2^exponent float32 [...])."""
+    s = amax.clamp(min=FP8_AMAX_FLOOR) / 448.0
+    m, e = torch.frexp(s)
+    e = torch.where(torch.isfinite(s), e - (m == 0.5).to(e.dtype), 127).to(torch.int32)
+    scale = ((e + 127) << 23).view(torch.float32)  # exact 2^e for e in [-126, 127]
+    return e, scale
+
+
+def _fp8_codes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (x / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+def _fp8_entry_parts(x: torch.Tensor, rope: int):
+    xf = x.float()
+    n = x.shape[-1] - rope
+    fp8_entry_bytes(x.shape[-1], rope)
+    blocks = xf[..., :n].unflatten(-1, (n // FP8_BLOCK, FP8_BLOCK))
+    e, scale = _fp8_scale(blocks.abs().amax(-1))
+    return _fp8_codes(blocks, scale.unsqueeze(-1)), e, scale, xf[..., n:].to(torch.bfloat16)
+
+
+def fp8_entry_qdq(x: torch.Tensor, rope: int) -> torch.Tensor:
+    """x [..., D] -> the values an FP8 attention entry of x decodes to, in x.dtype (exact for float32 / bf16)."""
+    codes, _, scale, r = _fp8_entry_parts(x, rope)
+    deq = (codes.float() * scale.unsqueeze(-1)).flatten(-2)
+    return torch.cat([deq, r.float()], dim=-1).to(x.dtype)
+
+
+def fp8_entry_encode(x: torch.Tensor, rope: int) -> torch.Tensor:
+    """x [..., D] -> uint8 [..., fp8_entry_bytes(D, rope)] (layout above; bf16 little-endian)."""
+    codes, e, _, r = _fp8_entry_parts(x, rope)
+    nb = e.shape[-1]
+    pad = (nb + 7) // 8 * 8 - nb
+    parts = [codes.flatten(-2).view(torch.uint8), r.contiguous().view(torch.uint8), (e + 127).to(torch.uint8),
+             torch.zeros(*x.shape[:-1], pad, dtype=torch.uint8)]
+    return torch.cat(parts, dim=-1)
+
+
+def fp8_entry_decode(data: torch.Tensor, dim: int, rope: int) -> torch.Tensor:
+    """uint8 [..., fp8_entry_bytes(dim, rope)] -> float32 [..., dim] (exact; E8M0 0xFF gives NaN)."""
+    n = dim - rope
+    if data.shape[-1] != fp8_entry_bytes(dim, rope):
+        raise ValueError(f"fp8_entry_decode: rows of {data.shape[-1]} bytes, expected {fp8_entry_bytes(dim, rope)}")
+    codes = data[..., :n].contiguous().view(torch.float8_e4m3fn).float()
+    r = data[..., n: n + 2 * rope].contiguous().view(torch.bfloat16).float()
+    sb = data[..., n + 2 * rope: n + 2 * rope + n // FP8_BLOCK].to(torch.int32)
+    scale = torch.where(sb == 255, torch.nan, ((sb.clamp(min=1) << 23).view(torch.float32)))
+    scale = torch.where(sb == 0, 2.0 ** -127, scale)
+    deq = (codes.unflatten(-1, (n // FP8_BLOCK, FP8_BLOCK)) * scale.unsqueeze(-1)).flatten(-2)
+    return torch.cat([deq, r], dim=-1)
+
+
+def fp8_index_qdq(x: torch.Tensor) -> torch.Tensor:
+    """x [..., cI] -> the values an FP8 indexer key of x decodes to, in x.dtype."""
+    _, scale = _fp8_scale(x.float().abs().amax(-1, keepdim=True))
+    return (_fp8_codes(x.float(), scale).float() * scale).to(x.dtype)
+
+
+def fp8_index_encode(x: torch.Tensor) -> torch.Tensor:
+    """x [..., cI] -> uint8 [..., cI + 4]: codes, then the float32 scale (little-endian)."""
+    _, scale = _fp8_scale(x.float().abs().amax(-1, keepdim=True))
+    codes = _fp8_codes(x.float(), scale).view(torch.uint8)
+    return torch.cat([codes, scale.contiguous().view(torch.uint8)], dim=-1)
+
+
+def fp8_index_decode(data: torch.Tensor, dim: int) -> torch.Tensor:
+    """uint8 [..., dim + 4] -> float32 [..., dim] (exact)."""
+    if data.shape[-1] != dim + 4:
+        raise ValueError(f"fp8_index_decode: rows of {data.shape[-1]} bytes, expected {dim + 4}")
+    scale = data[..., dim:].contiguous().view(torch.float32)
+    return data[..., :dim].contiguous().view(torch.float8_e4m3fn).float() * scale
+
+
 # ---------------------------------------------------------------------------------------------- attention
 
 
@@ -249,8 +355,8 @@ def kv_norm_rope(kv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin:
 
 def compressor_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, norm_weight: torch.Tensor,
                     inv_freq: torch.Tensor, kv_state: torch.Tensor, score_state: torch.Tensor,
-                    entries: torch.Tensor, start_pos: torch.Tensor, *,
-                    rms_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    entries: torch.Tensor, start_pos: torch.Tensor, *, rms_eps: float,
+                    fp8: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """KV compressor: pool every ``r`` tokens into one entry (softmax-gated per channel), incrementally.
 
     Shapes (c = entry width, r = ratio = ape.shape[0], coff = 2 if overlapping else 1, coff = kv.shape[-1] / c):
@@ -273,6 +379,9 @@ def compressor_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, no
     rows [0, r) hold the previous complete block. Only rows holding such tokens (positions < start_pos)
     are read, so the state of a batch row starting a new sequence (start_pos = 0) needs no reset.
     One-shot, chunked and token-by-token processing give identical entries.
+
+    ``fp8`` (FP8 state): ``"attention"`` stores each emitted float32 entry as :func:`fp8_entry_qdq` with
+    rope = 2 * len(inv_freq), ``"index"`` as :func:`fp8_index_qdq`; None stores it rounded to entries.dtype.
     """
     B, S, W = kv.shape
     r, c = ape.shape[0], norm_weight.shape[0]
@@ -318,6 +427,12 @@ def compressor_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, no
         raise ValueError(f"compressor_step: entry index beyond capacity {N} (increase max_seq_len)")
     out = torch.cat([entries, entries.new_zeros(B, 1, c)], dim=1)  # slot N catches unfinished blocks
     tgt = torch.where(done, idx, N)[..., None].expand(B, nb, c)
+    if fp8 == "attention":
+        e = fp8_entry_qdq(e, 2 * inv_freq.shape[0])
+    elif fp8 == "index":
+        e = fp8_index_qdq(e)
+    elif fp8 is not None:
+        raise ValueError(f"compressor_step: fp8 must be None, 'attention' or 'index', got {fp8!r}")
     out = out.scatter(1, tgt, e.to(entries.dtype))[:, :N]
 
     # New state: block of the next position P (k_p) and, with overlap, the block before it.
@@ -360,8 +475,8 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, sta
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, window: torch.Tensor, entries: torch.Tensor | None,
                      indices: torch.Tensor | None, sink: torch.Tensor, inv_freq: torch.Tensor,
-                     start_pos: torch.Tensor, *, ratio: int,
-                     softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     start_pos: torch.Tensor, *, ratio: int, softmax_scale: float | None = None,
+                     fp8_window: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Shared-KV MQA over (sliding window) U (compressed entries), with attention sink and inverse RoPE.
 
     Args:
@@ -379,6 +494,9 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, window: torch.Tensor, en
         window [B, n_win, D]: the ring after writing the chunk's kv (the last min(S, n_win) tokens).
     The query at position p sees raw positions p - n_win < p' <= p and entries i < (p + 1) // ratio
     (restricted to ``indices`` when given). The chunk's kv is attended before the ring is overwritten.
+    ``fp8_window`` (FP8 state): the ring stores :func:`fp8_entry_qdq` of the written kv rows (rope =
+    2 * len(inv_freq)); the chunk's own kv is attended unquantised, so with FP8 state chunked prefill and
+    token-by-token decoding differ by the quantisation of the keys a chunk reads from itself.
     """
     B, S, H, D = q.shape
     n_win = window.shape[1]
@@ -412,7 +530,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, window: torch.Tensor, en
 
     lo = max(0, S - n_win)
     tgt = ((pos[:, lo:]) % n_win)[..., None].expand(B, S - lo, D)
-    new_window = window.scatter(1, tgt, kv[:, lo:].to(window.dtype))
+    written = fp8_entry_qdq(kv[:, lo:], 2 * inv_freq.shape[0]) if fp8_window else kv[:, lo:]
+    new_window = window.scatter(1, tgt, written.to(window.dtype))
     return o, new_window
 
 

@@ -63,6 +63,7 @@ class LayerState:
     idx_kv_state: torch.Tensor | None = None  # [B, 8, 2*cI] indexer compressor (ratio 4, overlap)
     idx_score_state: torch.Tensor | None = None
     idx_entries: torch.Tensor | None = None  # [B, max_seq_len // 4, cI]
+    fp8: bool = False  # FP8 state: window / entries / index keys hold FP8-quantised values (functional.py)
 
 
 @dataclass
@@ -80,7 +81,7 @@ class DeepseekV4State:
         """Stack the rows of several states (same model, same max_seq_len) into one batch."""
 
         def cat_layers(per_state):
-            return [LayerState(*(None if ts[0] is None else torch.cat(ts) for ts in zip(
+            return [LayerState(*(ts[0] if not isinstance(ts[0], torch.Tensor) else torch.cat(ts) for ts in zip(
                 *(dataclasses.astuple(ls) for ls in lss)))) for lss in zip(*per_state)]
 
         return DeepseekV4State(pos=torch.cat([s.pos for s in states]), max_seq_len=states[0].max_seq_len,
@@ -110,12 +111,12 @@ class Compressor(nn.Module):
         return (torch.zeros(shape, device=device), torch.full(shape, float("-inf"), device=device),
                 torch.zeros(batch, max_seq_len // self.ratio, self.head_dim, dtype=dtype, device=device))
 
-    def forward(self, x, start_pos, inv_freq, kv_state, score_state, entries):
-        # x: [B, S, d]; projections in float32
+    def forward(self, x, start_pos, inv_freq, kv_state, score_state, entries, fp8: str | None = None):
+        # x: [B, S, d]; projections in float32; fp8: None or the FP8 entry layout ("attention" / "index")
         kv = Fn.linear(x.float(), self.wkv.weight)  # [B, S, coff*c]
         score = Fn.linear(x.float(), self.wgate.weight)
         return Fn.compressor_step(kv, score, self.ape, self.norm.weight, inv_freq, kv_state, score_state,
-                                  entries, start_pos, rms_eps=self.eps)
+                                  entries, start_pos, rms_eps=self.eps, fp8=fp8)
 
 
 class Indexer(nn.Module):
@@ -130,7 +131,8 @@ class Indexer(nn.Module):
 
     def forward(self, x, qr, start_pos, cos, sin, inv_freq, st: LayerState) -> torch.Tensor:
         st.idx_entries, st.idx_kv_state, st.idx_score_state = self.compressor(
-            x, start_pos, inv_freq, st.idx_kv_state, st.idx_score_state, st.idx_entries)
+            x, start_pos, inv_freq, st.idx_kv_state, st.idx_score_state, st.idx_entries,
+            fp8="index" if st.fp8 else None)
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [B, S, nI, cI]
         q = Fn.apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
         w = self.weights_proj(x)  # [B, S, nI]
@@ -180,11 +182,12 @@ class Attention(nn.Module):
         indices = None
         if self.compressor is not None:
             st.entries, st.kv_state, st.score_state = self.compressor(
-                x, start_pos, self.inv_freq, st.kv_state, st.score_state, st.entries)
+                x, start_pos, self.inv_freq, st.kv_state, st.score_state, st.entries,
+                fp8="attention" if st.fp8 else None)
         if self.indexer is not None:
             indices = self.indexer(x, qr, start_pos, cos, sin, self.inv_freq, st)  # [B, S, index_topk]
         o, st.window = Fn.sparse_attention(q, kv, st.window, st.entries, indices, self.attn_sink, self.inv_freq,
-                                           start_pos, ratio=self.ratio)  # [B, S, H, D]
+                                           start_pos, ratio=self.ratio, fp8_window=st.fp8)  # [B, S, H, D]
         return Fn.grouped_out_proj(o, self.wo_a.weight, self.wo_b.weight, n_groups=self.n_groups)  # [B, S, d]
 
 
@@ -329,13 +332,23 @@ class DeepseekV4ForCausalLM(HCHead):
 
     # ------------------------------------------------------------------------------------------ state
 
-    def new_state(self, batch_size: int, max_seq_len: int | None = None) -> DeepseekV4State:
-        """Fresh state for ``batch_size`` rows at position 0 with room for ``max_seq_len`` positions."""
+    def new_state(self, batch_size: int, max_seq_len: int | None = None, *,
+                  state: str = "default") -> DeepseekV4State:
+        """Fresh state for ``batch_size`` rows at position 0 with room for ``max_seq_len`` positions.
+
+        ``state="fp8"``: the window ring, compressed entries and indexer keys hold FP8-quantised values (the
+        semantics of an export with ``state="fp8"``; see the FP8 state section of :mod:`.functional`).
+        """
+        if state not in ("default", "fp8"):
+            raise ValueError(f"state must be 'default' or 'fp8', got {state!r}")
         n = max_seq_len or self.config.max_position_embeddings
         dev = self.embed.weight.device
 
         def make(blocks):
-            return [b.attn.new_state(batch_size, n, self.dtype, dev) for b in blocks]
+            out = [b.attn.new_state(batch_size, n, self.dtype, dev) for b in blocks]
+            for st in out:
+                st.fp8 = state == "fp8"
+            return out
 
         zero = torch.zeros(batch_size, dtype=torch.int64, device=dev)
         return DeepseekV4State(pos=zero, max_seq_len=n, layers=make(self.layers), mtp_pos=zero.clone(),

@@ -67,7 +67,9 @@ class OrtModel:
 
     def new_state(self, batch: int) -> dict:
         """name -> numpy buffer (zeros); the OrtValues wrap these arrays, so updates are visible in numpy."""
-        return {t["input"]: np.zeros([batch] + t["shape"][1:], np.float32) for t in self.meta["state"]["tensors"]}
+        dtypes = {"float": np.float32, "float32": np.float32, "uint8": np.uint8}  # uint8: FP8 state rows (exports with state="fp8")
+        return {t["input"]: np.zeros([batch] + t["shape"][1:], dtypes[t["dtype"]])
+                for t in self.meta["state"]["tensors"]}
 
     def run(self, ids, start_pos, state: dict) -> np.ndarray:
         import onnxruntime as ort
@@ -78,7 +80,7 @@ class OrtModel:
                                ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(start_pos, np.int64)))
         for t in self.meta["state"]["tensors"]:
             buf = state[t["input"]]
-            assert buf.flags.c_contiguous and buf.dtype == np.float32
+            assert buf.flags.c_contiguous and buf.dtype in (np.float32, np.uint8)
             v = ort.OrtValue.ortvalue_from_numpy(buf)  # wraps the numpy memory, no copy
             io.bind_ortvalue_input(t["input"], v)
             io.bind_ortvalue_output(t["output"], v)
@@ -106,14 +108,15 @@ class Cache:
         return self._ck[key]
 
     def export(self, ck_key: tuple = ("tiny",), weights: str = "native", logits: str = "all",
-               max_seq_len: int = 256) -> Path:
-        key = (tuple(ck_key), weights, logits, max_seq_len)
+               max_seq_len: int = 256, state: str = "default") -> Path:
+        key = (tuple(ck_key), weights, logits, max_seq_len, state)
         if key not in self._ex:
             from dsv4_ort.export import export_model
 
-            out = self.root / ("ex-" + "-".join(map(str, ck_key)) + f"-{weights}-{logits}-{max_seq_len}")
+            out = self.root / ("ex-" + "-".join(map(str, ck_key)) + f"-{weights}-{logits}-{max_seq_len}"
+                               + ("" if state == "default" else f"-{state}"))
             self._ex[key] = export_model(self.checkpoint(*ck_key), out, weights=weights, logits=logits,
-                                         max_seq_len=max_seq_len, progress=False)
+                                         max_seq_len=max_seq_len, progress=False, state=state)
         return self._ex[key]
 
     def reference(self, ck_key: tuple = ("tiny",)):

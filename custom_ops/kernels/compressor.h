@@ -21,7 +21,8 @@
 //
 // Shapes (row-major, contiguous; B rows, S tokens, N entry capacity):
 //   kv, score [B, S, W] fp32;  ape [r, W] fp32;  norm_weight [c] fp32;  inv_freq [half];  start_pos [B]
-//   entries [B, N, c] fp32 or bf16;  kv_state, score_state [B, coff*r, W] fp32   (in/out)
+//   entries [B, N, c] fp32 or bf16, or FP8 state rows (state_fp8.h: attention or index-key layout, encoded from the
+//   float32 entry);  kv_state, score_state [B, coff*r, W] fp32   (in/out)
 // Preconditions (validated by the op glue): coff in {1, 2}; r >= 1; 2*half <= c; start_pos >= 0; every emitted
 // entry index < N; the state holds the tokens of the current block before start_pos (and, with overlap and
 // start_pos >= r, the previous block).
@@ -29,6 +30,7 @@
 
 #include <cstdint>
 
+#include "custom_ops/kernels/state_fp8.h"
 #include "custom_ops/platform/parallel.h"
 
 namespace dsv4 {
@@ -46,10 +48,17 @@ using CompressorStepBf16Fn = void (*)(const float* kv, const float* score, const
                                       const CompressorDims& dims, float rms_eps, uint16_t* entries, float* kv_state,
                                       float* score_state, const Parallel& par);
 
+// FP8 entries: entry i of row b is encoded into entries.data + (b * N + i) * entries.row_bytes.
+using CompressorStepFp8Fn = void (*)(const float* kv, const float* score, const float* ape, const float* norm_weight,
+                                     const float* inv_freq, const int64_t* start_pos, const CompressorDims& dims,
+                                     float rms_eps, const state_fp8::EntryOut& entries, float* kv_state,
+                                     float* score_state, const Parallel& par);
+
 // One table per ISA level; every slot is non-null. The suffix names the entries type.
 struct CompressorKernels {
   CompressorStepF32Fn step_f32;
   CompressorStepBf16Fn step_bf16;
+  CompressorStepFp8Fn step_fp8;
 };
 
 namespace ref {

@@ -20,7 +20,7 @@ namespace {
 
 }  // namespace
 
-const CompressorKernels kCompressor = {&StepF32, &StepBf16};
+const CompressorKernels kCompressor = {&StepF32, &StepBf16, &StepFp8};
 
 }  // namespace avx2
 }  // namespace dsv4

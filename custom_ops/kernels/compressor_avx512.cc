@@ -28,7 +28,7 @@ namespace {
 
 }  // namespace
 
-const CompressorKernels kCompressor = {&StepF32, &StepBf16};
+const CompressorKernels kCompressor = {&StepF32, &StepBf16, &StepFp8};
 
 }  // namespace avx512
 }  // namespace dsv4

@@ -17,6 +17,17 @@ namespace dsv4 {
 namespace ref {
 namespace {
 
+// The entry row store of each entries type: rounded to fp32 / bf16, or FP8-encoded as a whole row.
+template <class E>
+void WriteEntry(const float* e, const CompressorDims& d, int64_t c, int64_t b, int64_t i, E* entries) {
+  E* out = entries + (b * d.capacity + i) * c;
+  for (int64_t ch = 0; ch < c; ++ch) StoreAs(e[ch], out + ch);
+}
+void WriteEntry(const float* e, const CompressorDims& d, int64_t c, int64_t b, int64_t i,
+                const state_fp8::EntryOut& entries) {
+  state_fp8::StoreEntry(e, c, entries, d.capacity, b, i);
+}
+
 // Pools the block ending at the current token into pooled [c]. `state_kv` / `state_sc` are one row's state
 // [coff*r, W]; `with_prev` includes the previous block's rows (overlap only).
 void Pool(const float* state_kv, const float* state_sc, const CompressorDims& d, bool with_prev, float* pooled) {
@@ -53,7 +64,7 @@ void Pool(const float* state_kv, const float* state_sc, const CompressorDims& d,
 
 template <class E>
 void Step(const float* kv, const float* score, const float* ape, const float* norm_weight, const float* inv_freq,
-          const int64_t* start_pos, const CompressorDims& d, float rms_eps, E* entries, float* kv_state,
+          const int64_t* start_pos, const CompressorDims& d, float rms_eps, E entries, float* kv_state,
           float* score_state, const Parallel& par) {
   assert((d.coff == 1 || d.coff == 2) && d.ratio >= 1 && d.width % d.coff == 0);
   const int64_t r = d.ratio, W = d.width, c = W / d.coff, rows = d.coff * r, rd = 2 * d.half;
@@ -81,8 +92,7 @@ void Step(const float* kv, const float* score, const float* ape, const float* no
       for (int64_t ch = 0; ch < c; ++ch) e[ch] = norm_weight[ch] * (e[ch] * rs);
       RopeCosSin(i * r, inv_freq, d.half, cos.data(), sin.data());
       RopeRotate(e.data() + c - rd, cos.data(), sin.data(), d.half, false);
-      E* out = entries + (b * d.capacity + i) * c;
-      for (int64_t ch = 0; ch < c; ++ch) StoreAs(e[ch], out + ch);
+      WriteEntry(e.data(), d, c, b, i, entries);
       if (d.coff == 2) {
         std::memcpy(st_kv, st_kv + r * W, sizeof(float) * r * W);
         std::memcpy(st_sc, st_sc + r * W, sizeof(float) * r * W);
@@ -102,9 +112,15 @@ void StepBf16(const float* kv, const float* score, const float* ape, const float
   Step(kv, score, ape, norm_weight, inv_freq, start_pos, dims, rms_eps, entries, kv_state, score_state, par);
 }
 
+void StepFp8(const float* kv, const float* score, const float* ape, const float* norm_weight, const float* inv_freq,
+             const int64_t* start_pos, const CompressorDims& dims, float rms_eps, const state_fp8::EntryOut& entries,
+             float* kv_state, float* score_state, const Parallel& par) {
+  Step(kv, score, ape, norm_weight, inv_freq, start_pos, dims, rms_eps, entries, kv_state, score_state, par);
+}
+
 }  // namespace
 
-const CompressorKernels kCompressor = {&StepF32, &StepBf16};
+const CompressorKernels kCompressor = {&StepF32, &StepBf16, &StepFp8};
 
 }  // namespace ref
 }  // namespace dsv4

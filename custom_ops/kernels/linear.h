@@ -47,6 +47,10 @@ struct WeightView {
   ScaleFormat scale_format = ScaleFormat::kNone;
   const void* scale = nullptr;
   int64_t block = 0;
+  // kFp8E4M3 only: true promises that no code is an E4M3 NaN code (|code| == 0x7F), so the decode loops may skip
+  // the NaN fix-up. Set only after scanning the whole weight (the ops do it once for constant weights); false
+  // (the default) is always correct. A weight holding NaN codes must never carry true: its outputs would not be NaN.
+  bool fp8_finite = false;
 };
 
 // Bytes of one [rows, cols] matrix's data and of its scales (0 for dense).

@@ -9,7 +9,8 @@
 //   fp32 rows (fp32 weights in place, everything else decoded four or 64 rows at a time into scratch) against
 //   activations in the same column order as the decoded row.
 // Decoding: FP8 E4M3 through the fp16 encoding of code * 2^-8 (exact for every code, NaN codes replaced) and
-// VCVTPH2PS, times 2^8, times the scale (one rounding, as the reference); FP4 E2M1 through an 8-entry magnitude
+// VCVTPH2PS, times 2^8, times the scale (one rounding, as the reference; for one activation row decoded in registers
+// instead, with the scale applied per block sum: DotFp8Fused); FP4 E2M1 through an 8-entry magnitude
 // table times the block's scale (VPERMPS on the low 3 bits) and the sign bit, written as [8 even, 8 odd] columns
 // per 16, the layout the activations then follow.
 #if defined(__GNUC__) && !defined(__clang__)
@@ -25,6 +26,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "custom_ops/kernels/linear_blocks.h"
 #include "custom_ops/numerics/bf16.h"
@@ -92,11 +94,21 @@ void Fp8ToF32(__m128i codes, __m256* lo, __m256* hi) {
   *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
 }
 
+// The same without the NaN fix-up, for weights known to hold no NaN codes (WeightView::fp8_finite): sign-extend the
+// bytes to words, shift left by 7 and clear bit 14 (the sign's copy) gives the same fp16 bits for every other code.
+void Fp8ToF32Finite(__m128i codes, __m256* lo, __m256* hi) {
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(codes), 7),
+                                     _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+  *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+
 // Bytes ahead that the decode loops prefetch (one prefetch per 64 bytes read).
 constexpr int64_t kPrefetchBytes = 2048;
 
 // FP8 row `row`: 16 columns at a time (scale blocks are multiples of 16 columns), exact fp32 values.
-void DecodeFp8Row(const WeightView& w, int64_t row, int64_t scale_row, int64_t kp, bool round, float* out) {
+template <bool kFinite, bool kRound>
+void DecodeFp8Row(const WeightView& w, int64_t row, int64_t scale_row, int64_t kp, float* out) {
   const uint8_t* src = static_cast<const uint8_t*>(w.data) + row * w.cols;
   const __m256 two8 = _mm256_set1_ps(256.0f);
   int64_t k = 0;
@@ -104,28 +116,47 @@ void DecodeFp8Row(const WeightView& w, int64_t row, int64_t scale_row, int64_t k
     const int64_t s = scale_row + b;
     const float scale = w.scale_format == ScaleFormat::kE8M0 ? E8M0ToF32(static_cast<const uint8_t*>(w.scale)[s])
                                                              : static_cast<const float*>(w.scale)[s];
-    const __m256 sv = _mm256_set1_ps(scale);
     const int64_t block_end = (b + 1) * w.block < w.cols ? (b + 1) * w.block : w.cols;
-    for (; k < block_end; k += 16) {
-      if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(src + k + kPrefetchBytes), _MM_HINT_T0);
-      __m128i codes;
-      if (block_end - k >= 16) {
-        codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k));
-      } else {
-        alignas(16) uint8_t tail[16] = {};
-        std::memcpy(tail, src + k, static_cast<size_t>(block_end - k));
-        codes = _mm_load_si128(reinterpret_cast<const __m128i*>(tail));
+    // (code * 2^-8) * (2^8 * scale) is the same single rounding as ((code * 2^-8) * 2^8) * scale while 2^8 * scale
+    // is finite (scaling by 2^8 is exact): one multiply instead of two.
+    const float scale256 = scale * 256.0f;
+    const auto chunks = [&](auto one_mul) {
+      const __m256 sv = _mm256_set1_ps(scale), sv256 = _mm256_set1_ps(scale256);
+      for (; k < block_end; k += 16) {
+        if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(src + k + kPrefetchBytes), _MM_HINT_T0);
+        __m128i codes;
+        if (block_end - k >= 16) {
+          codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k));
+        } else {
+          alignas(16) uint8_t tail[16] = {};
+          std::memcpy(tail, src + k, static_cast<size_t>(block_end - k));
+          codes = _mm_load_si128(reinterpret_cast<const __m128i*>(tail));
+        }
+        __m256 a, c;
+        if constexpr (kFinite) {
+          Fp8ToF32Finite(codes, &a, &c);
+        } else {
+          Fp8ToF32(codes, &a, &c);
+        }
+        if constexpr (decltype(one_mul)::value) {
+          a = _mm256_mul_ps(a, sv256);
+          c = _mm256_mul_ps(c, sv256);
+        } else {
+          a = _mm256_mul_ps(_mm256_mul_ps(a, two8), sv);  // code * 2^-8 * 2^8 exactly, then one rounding
+          c = _mm256_mul_ps(_mm256_mul_ps(c, two8), sv);
+        }
+        if constexpr (kRound) {
+          a = RoundBf16(a);
+          c = RoundBf16(c);
+        }
+        _mm256_storeu_ps(out + k, a);
+        _mm256_storeu_ps(out + k + 8, c);
       }
-      __m256 a, c;
-      Fp8ToF32(codes, &a, &c);
-      a = _mm256_mul_ps(_mm256_mul_ps(a, two8), sv);  // code * 2^-8 * 2^8 exactly, then one rounding
-      c = _mm256_mul_ps(_mm256_mul_ps(c, two8), sv);
-      if (round) {
-        a = RoundBf16(a);
-        c = RoundBf16(c);
-      }
-      _mm256_storeu_ps(out + k, a);
-      _mm256_storeu_ps(out + k + 8, c);
+    };
+    if (scale256 - scale256 == 0.0f) {
+      chunks(std::true_type{});
+    } else {
+      chunks(std::false_type{});
     }
   }
   for (k = (w.cols + 15) / 16 * 16; k < kp; k += 8) _mm256_storeu_ps(out + k, _mm256_setzero_ps());
@@ -174,7 +205,14 @@ void DecodeRows(ActType act, const WeightView& w, int64_t n0, int64_t rows, int6
     if (row >= w.rows) {
       std::memset(out, 0, static_cast<size_t>(kp) * sizeof(float));
     } else if (w.format == WeightFormat::kFp8E4M3) {
-      DecodeFp8Row(w, row, row_block * scale_cols, kp, round, out);
+      const int64_t scale_row = row_block * scale_cols;
+      if (w.fp8_finite) {
+        round ? DecodeFp8Row<true, true>(w, row, scale_row, kp, out)
+              : DecodeFp8Row<true, false>(w, row, scale_row, kp, out);
+      } else {
+        round ? DecodeFp8Row<false, true>(w, row, scale_row, kp, out)
+              : DecodeFp8Row<false, false>(w, row, scale_row, kp, out);
+      }
     } else if (w.format == WeightFormat::kFp4E2M1) {
       DecodeFp4Row(w, row, kp, out);
     } else {
@@ -278,6 +316,108 @@ void Dot(int mr, const W* const* w, int64_t kw, const float* x, int64_t xs, floa
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// Decode path for FP8 and one activation row: four rows decoded in registers (no scratch), the scale folded out of
+// the inner loop. Each 16-column chunk's codes become code * 2^-8 (Fp8ToF32Finite) and meet the activations
+// unscaled; a scale block's sum is scaled once into the total: total += (blk * 2^8) * scale (exact for E8M0 scales
+// barring overflow / underflow of the block sum; one rounding per block for fp32 scales, within the tolerance of
+// the reordered sum). Not for fp32 scales under bf16 activations (W must be rounded to bf16 first). Unless the
+// weight is known finite (fp8_finite), a byte-wise maximum of 2 * code spots NaN codes (0xFE exactly when one
+// occurs); a row holding one has its output NaN, as every product with a NaN weight is.
+
+bool FusedFp8(ActType act, const WeightView& w, int64_t m) {
+  return m == 1 && w.format == WeightFormat::kFp8E4M3 && (act == ActType::kF32 || w.scale_format == ScaleFormat::kE8M0);
+}
+
+// Bytes ahead that the fused loop prefetches on each of its four rows; past a row's end, the same offset in the row
+// four rows on (the next group's; prefetches do not fault).
+constexpr int64_t kPrefetchFp8 = 2048;
+const char* PrefetchTarget(const uint8_t* row, int64_t at, int64_t row_bytes) {
+  const int64_t t = at + kPrefetchFp8;
+  return reinterpret_cast<const char*>(row + (t < row_bytes ? t : t + 3 * row_bytes));
+}
+
+template <bool kFinite>
+void DotFp8Fused(const WeightView& w, const int64_t* rows, const float* x, float res[4]) {
+  const int64_t kw = w.cols, scale_cols = (kw + w.block - 1) / w.block;
+  const bool e8m0 = w.scale_format == ScaleFormat::kE8M0;
+  const uint8_t* src[4];
+  const int64_t rb0 = rows[0] / w.block;  // rows are consecutive (or repeat the last): block rb0 or the next
+  int64_t scale_row[4];
+  for (int q = 0; q < 4; ++q) {
+    src[q] = static_cast<const uint8_t*>(w.data) + rows[q] * kw;
+    scale_row[q] = (rows[q] - rb0 * w.block < w.block ? rb0 : rb0 + 1) * scale_cols;
+  }
+  __m256 acc[4];
+  for (int q = 0; q < 4; ++q) acc[q] = _mm256_setzero_ps();
+  __m128i nan_seen = _mm_setzero_si128();
+  const __m256 two8 = _mm256_set1_ps(256.0f);
+  for (int64_t b = 0; b < scale_cols; ++b) {
+    __m256 blk[4];
+    for (int q = 0; q < 4; ++q) blk[q] = _mm256_setzero_ps();
+    const int64_t k1 = (b + 1) * w.block < kw ? (b + 1) * w.block : kw;
+    for (int64_t k = b * w.block; k < k1; k += 16) {
+      const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+      for (int q = 0; q < 4; ++q) {
+        if ((k & 63) == 0) _mm_prefetch(PrefetchTarget(src[q], k, kw), _MM_HINT_T0);
+        __m128i codes;
+        if (k1 - k >= 16) {
+          codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src[q] + k));
+        } else {
+          alignas(16) uint8_t tail[16] = {};
+          std::memcpy(tail, src[q] + k, static_cast<size_t>(k1 - k));
+          codes = _mm_load_si128(reinterpret_cast<const __m128i*>(tail));
+        }
+        if constexpr (!kFinite) nan_seen = _mm_max_epu8(nan_seen, _mm_add_epi8(codes, codes));
+        __m256 lo, hi;
+        Fp8ToF32Finite(codes, &lo, &hi);
+        blk[q] = _mm256_fmadd_ps(lo, x0, blk[q]);
+        blk[q] = _mm256_fmadd_ps(hi, x1, blk[q]);
+      }
+    }
+    for (int q = 0; q < 4; ++q) {
+      const int64_t s = scale_row[q] + b;
+      const float scale =
+          e8m0 ? E8M0ToF32(static_cast<const uint8_t*>(w.scale)[s]) : static_cast<const float*>(w.scale)[s];
+      acc[q] = _mm256_fmadd_ps(_mm256_mul_ps(blk[q], two8), _mm256_set1_ps(scale), acc[q]);
+    }
+  }
+  for (int q = 0; q < 4; ++q) res[q] = Hsum(acc[q]);
+  if constexpr (!kFinite) {
+    if (_mm_movemask_epi8(_mm_cmpeq_epi8(nan_seen, _mm_set1_epi8(static_cast<char>(0xFE)))) != 0) {
+      for (int q = 0; q < 4; ++q) {
+        for (int64_t k = 0; k < kw; ++k) {
+          if ((src[q][k] & 0x7F) == 0x7F) {
+            res[q] = __builtin_nanf("");
+            break;
+          }
+        }
+      }
+    }
+  }
+}
+
+void RowsFp8Fused(const float* x, const WeightView& w, int64_t n0, int64_t n1, const MatOut& out) {
+  for (int64_t r0 = n0; r0 < n1; r0 += 4) {
+    int64_t rows[4];
+    for (int q = 0; q < 4; ++q) rows[q] = r0 + q < n1 ? r0 + q : n1 - 1;
+    float res[4];
+    if (w.fp8_finite) {
+      DotFp8Fused<true>(w, rows, x, res);
+    } else {
+      DotFp8Fused<false>(w, rows, x, res);
+    }
+    for (int64_t q = 0; q < 4 && r0 + q < n1; ++q) {
+      const int64_t at = r0 - n0 + q;
+      if (out.bf16) {
+        static_cast<uint16_t*>(out.data)[at] = F32ToBf16(res[q]);
+      } else {
+        static_cast<float*>(out.data)[at] = res[q];
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // LinearBlocks.
 
 bool RowsSupported(ActType, const WeightView& w) {
@@ -309,7 +449,7 @@ void PrepareRows(ActType act, const WeightView& w, const void* x, int64_t ldx, c
 int64_t RowBlock(int64_t m) { return m <= 4 ? 4 : 64; }
 
 size_t RowsScratch(ActType act, const WeightView& w, int64_t m) {
-  if (KindOf(act, w) != RowKind::kF32Decoded) return 0;
+  if (KindOf(act, w) != RowKind::kF32Decoded || FusedFp8(act, w, m)) return 0;
   return static_cast<size_t>(RowBlock(m) * Pad32(w.cols)) * sizeof(float);
 }
 
@@ -343,6 +483,10 @@ void Rows(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n
   const RowKind kind = KindOf(act, w);
   const int64_t kw = w.cols, kp = Pad32(kw), block = RowBlock(m);
   const float* x = static_cast<const float*>(xp);
+  if (FusedFp8(act, w, m)) {
+    RowsFp8Fused(x, w, n0, n1, out);
+    return;
+  }
   for (int64_t b0 = n0; b0 < n1; b0 += block) {
     const int64_t rows = n1 - b0 < block ? n1 - b0 : block;
     switch (kind) {

@@ -19,7 +19,9 @@
 //             are replaced by an fp16 NaN. VCVTPH2PS widens exactly, VSCALEFPS applies 2^(e - 127 + 8) for an
 //             E8M0 scale byte e (exact, as the reference's multiply by a power of two) or 2^8 followed by a
 //             multiply for fp32 scales (one rounding, as the reference). Needs scale blocks that are multiples
-//             of 32 columns, so a 32-column chunk has one scale.
+//             of 32 columns, so a 32-column chunk has one scale. The in-register decode path (DotFp8) reaches the
+//             same words in fewer operations, applies the scale once per block sum where that is exact enough
+//             (folding), and finds NaN codes with a separate byte test that weights known finite skip.
 //   FP4 E2M1  one 32-value block per 16 bytes: the block's 16 possible bf16 values (a compile-time table per
 //             scale byte: every FP4 value times every E8M0 scale is exact in bf16, denormals included), then VPERMW
 //             with word indices (low nibble, high nibble) per byte yields the 32 values in column order.
@@ -109,10 +111,20 @@ void Fp8ToF32(__m256i codes, __m512* lo, __m512* hi) {
 // Bytes ahead of the current position that the decode loops prefetch (one prefetch per 64 bytes read): the
 // hardware prefetchers alone keep too few lines in flight for one sequential stream.
 constexpr int64_t kPrefetchBytes = 2048;
-// The in-register decode loops read four rows at once and spend more time per byte: 512 bytes ahead on each row
-// measured best there (single core, weights streamed from DRAM; 2 KiB lost 15-20%).
-constexpr int64_t kPrefetchFp4 = 512;
-constexpr int64_t kPrefetchFp8 = 512;
+// The in-register decode loops read four rows at once, each prefetching this far ahead on its own row and, past the
+// row's end, on the row the next group reads (PrefetchTarget). 2 KiB measured best there (weights streamed from
+// DRAM, one and two cores; 512 bytes lost up to 25%, most on short rows: 512-byte FP4 / 1 KiB FP8 rows).
+constexpr int64_t kPrefetchFp4 = 2048;
+constexpr int64_t kPrefetchFp8 = 2048;
+
+// What those loops prefetch: `ahead` bytes past offset `at` of a row of `row_bytes` bytes, where the loop reads four
+// consecutive rows side by side. Past the row's end that is the same offset in the row four rows on (the row the
+// next group reads; the next row is already being read). Prefetches do not fault, so the address may lie past the
+// matrix.
+const char* PrefetchTarget(const uint8_t* row, int64_t at, int64_t row_bytes, int64_t ahead) {
+  const int64_t t = at + ahead;
+  return reinterpret_cast<const char*>(row + (t < row_bytes ? t : t + 3 * row_bytes));
+}
 
 // 32 FP8 codes -> exact fp32 W values (columns 0..15, 16..31) for a chunk with scale vector sv (see ForFp8Row).
 void ScaleFp8Chunk(__m256i codes, bool e8m0, __m512 sv, __m512* lo, __m512* hi) {
@@ -505,6 +517,7 @@ void StoreResults(const MatOut& out, int64_t m0, int64_t mr, int64_t col0, int64
 struct Fp4Rows {
   const uint8_t* src[4];
   const uint8_t* scale[4];
+  int64_t row_bytes;
   // natural-order bf16
   __m512i Bf16(int q, int64_t c) const { return DecodeFp4Block(src[q] + c * 16, scale[q][c]); }
   // [even, odd] columns as exact fp32
@@ -524,7 +537,7 @@ void DotFp4Bf16(const Fp4Rows& w, int64_t kw, const uint16_t* x, int64_t xs, flo
   for (int64_t c = 0; c < kw / 32; ++c) {
     __m512bh a[4];
     for (int q = 0; q < 4; ++q) {
-      if ((c & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(w.src[q] + c * 16) + kPrefetchFp4, _MM_HINT_T0);
+      if ((c & 3) == 0) _mm_prefetch(PrefetchTarget(w.src[q], c * 16, w.row_bytes, kPrefetchFp4), _MM_HINT_T0);
       a[q] = AsBh(w.Bf16(q, c));
     }
     for (int i = 0; i < MR; ++i) {
@@ -545,7 +558,7 @@ void DotFp4F32(const Fp4Rows& w, int64_t kw, const float* x, int64_t xs, float r
   for (int64_t c = 0; c < kw / 32; ++c) {
     __m512 we[4], wo[4];
     for (int q = 0; q < 4; ++q) {
-      if ((c & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(w.src[q] + c * 16) + kPrefetchFp4, _MM_HINT_T0);
+      if ((c & 3) == 0) _mm_prefetch(PrefetchTarget(w.src[q], c * 16, w.row_bytes, kPrefetchFp4), _MM_HINT_T0);
       w.F32(q, c, &we[q], &wo[q]);
     }
     for (int i = 0; i < MR; ++i) {
@@ -560,37 +573,101 @@ void DotFp4F32(const Fp4Rows& w, int64_t kw, const float* x, int64_t xs, float r
     for (int q = 0; q < 4; ++q) res[i][q] = Hsum(acc[i][q]);
 }
 
-// Four FP8 rows (scale blocks are multiples of 32 columns: the loop runs over blocks, then 32-column chunks).
-// bf16 activations: values rounded to bf16 and VDPBF16PS (as DotBf16 on decoded rows); fp32 activations: natural
-// fp32 values and two FMAs per chunk (as DotF32 on decoded rows, lo then hi).
-template <int MR, bool kBf16Act>
+// E8M0 byte e -> e - 127 + 8 as a float: the VSCALEFPS exponent that turns code * 2^-8 into code * 2^(e - 127).
+struct ScalefExponents {
+  float e[256];
+};
+constexpr ScalefExponents MakeScalefExponents() {
+  ScalefExponents t{};
+  for (int e = 0; e < 256; ++e) t.e[e] = static_cast<float>(e - 119);
+  return t;
+}
+constexpr ScalefExponents kScalefExponent = MakeScalefExponents();
+
+// 32 E4M3 codes -> the fp16 bits of code * 2^-8 (see Fp8ToF32) in three operations: sign-extend the bytes to
+// words, shift left by 7 (sign to bit 15, exponent and mantissa to bits 13..7) and clear bit 14 (a copy of the
+// sign). A NaN code comes out as +-1.875 (a finite value): callers either know there is none (fp8_finite) or test
+// for them separately (Fp8NanBytes).
+__m512i Fp8ToF16Bits(__m256i codes) {
+  return _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(codes), 7),
+                          _mm512_set1_epi16(static_cast<short>(0xBFFF)));
+}
+
+// Running NaN-code detector for the decode loop: the per-byte maximum of 2 * code (mod 256) reaches 0xFE exactly
+// when some code has all seven low bits set (0x7F, 0xFF).
+__m256i Fp8NanBytes(__m256i seen, __m256i codes) { return _mm256_max_epu8(seen, _mm256_add_epi8(codes, codes)); }
+bool Fp8SawNan(__m256i seen) {
+  return _mm256_movemask_epi8(_mm256_cmpeq_epi8(seen, _mm256_set1_epi8(static_cast<char>(0xFE)))) != 0;
+}
+bool Fp8RowHasNan(const uint8_t* row, int64_t cols) {
+  for (int64_t k = 0; k < cols; ++k)
+    if ((row[k] & 0x7F) == 0x7F) return true;
+  return false;
+}
+
+// R FP8 rows (scale blocks are multiples of 32 columns: the loop runs over blocks, then 32-column chunks).
+// Codes become fp16 bits of code * 2^-8 (Fp8ToF16Bits) and fp32 by VCVTPH2PS. Then either
+//   kFold   the block's products are accumulated unscaled and the block sum is scaled once into the total:
+//           E8M0: total += blk * 2^(e - 127 + 8) by VSCALEFPS (exact, as scaling each product would be, barring
+//           overflow / underflow of the block sum itself); fp32 scales (fp32 activations only): total +=
+//           (blk * 2^8) * scale, one rounding per block instead of one per weight (within the tolerance of the
+//           reordered sum);
+//   else    each chunk is scaled to the exact W values (as ScaleFp8Chunk) before the products.
+// bf16 activations need W rounded to bf16: values are converted by VCVTNE2PS2BF16 and meet VDPBF16PS; folding is
+// exact there only for E8M0 scales (code * 2^-8 is exact in bf16), so fp32 scales take the unfolded route.
+// Unless the weight is known finite, the codes also feed a NaN detector; a row holding a NaN code has all its
+// outputs NaN (every product with a NaN weight is NaN), which the end of the row applies.
+template <int MR, bool kBf16Act, bool kFold, bool kFinite>
 void DotFp8(const WeightView& w, const int64_t* rows, const void* xv, int64_t xs, float res[][4]) {
   const int64_t kw = w.cols, scale_cols = (kw + w.block - 1) / w.block;
   const bool e8m0 = w.scale_format == ScaleFormat::kE8M0;
   const uint8_t* src[4];
   int64_t scale_row[4];
+  // rows[0] <= rows[q] < rows[0] + 4 <= rows[0] + block: row block rb0 or the next (one division per group)
+  const int64_t rb0 = rows[0] / w.block;
   for (int q = 0; q < 4; ++q) {
     src[q] = static_cast<const uint8_t*>(w.data) + rows[q] * kw;
-    scale_row[q] = (rows[q] / w.block) * scale_cols;
+    scale_row[q] = (rows[q] - rb0 * w.block < w.block ? rb0 : rb0 + 1) * scale_cols;
   }
   __m512 acc[MR][4];
   for (int i = 0; i < MR; ++i)
     for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_setzero_ps();
+  __m256i nan_seen = _mm256_setzero_si256();
+  const __m512 e8 = _mm512_set1_ps(8.0f);
   for (int64_t b = 0; b < scale_cols; ++b) {
+    // E8M0 byte e: the exponent e - 127 + 8 for VSCALEFPS (the 2^8 the fp16 route leaves out); fp32: the scale.
     __m512 sv[4];
-    for (int q = 0; q < 4; ++q) {
-      sv[q] = e8m0 ? _mm512_set1_ps(static_cast<float>(static_cast<int>(static_cast<const uint8_t*>(w.scale)[scale_row[q] + b]) - 119))
+    for (int q = 0; q < 4; ++q) {  // broadcasts from memory (no conversion in the loop)
+      sv[q] = e8m0 ? _mm512_set1_ps(kScalefExponent.e[static_cast<const uint8_t*>(w.scale)[scale_row[q] + b]])
                    : _mm512_set1_ps(static_cast<const float*>(w.scale)[scale_row[q] + b]);
     }
+    __m512 blk[MR][4];
+    if constexpr (kFold) {
+      for (int i = 0; i < MR; ++i)
+        for (int q = 0; q < 4; ++q) blk[i][q] = _mm512_setzero_ps();
+    }
+    __m512(&sum)[MR][4] = *(kFold ? &blk : &acc);  // where the chunk products go
     const int64_t k1 = (b + 1) * w.block < kw ? (b + 1) * w.block : kw;
     for (int64_t k = b * w.block; k < k1; k += 32) {
       const int64_t valid = k1 - k;
       __m512 lo[4], hi[4];
       for (int q = 0; q < 4; ++q) {
-        if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(src[q] + k) + kPrefetchFp8, _MM_HINT_T0);
+        if ((k & 63) == 0) _mm_prefetch(PrefetchTarget(src[q], k, kw, kPrefetchFp8), _MM_HINT_T0);
         const __m256i codes = valid >= 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[q] + k))
                                           : _mm256_maskz_loadu_epi8(Mask32(valid), src[q] + k);
-        ScaleFp8Chunk(codes, e8m0, sv[q], &lo[q], &hi[q]);
+        if constexpr (!kFinite) nan_seen = Fp8NanBytes(nan_seen, codes);
+        const __m512i h = Fp8ToF16Bits(codes);
+        lo[q] = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+        hi[q] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+        if constexpr (!kFold) {
+          if (e8m0) {
+            lo[q] = _mm512_scalef_ps(lo[q], sv[q]);
+            hi[q] = _mm512_scalef_ps(hi[q], sv[q]);
+          } else {
+            lo[q] = _mm512_mul_ps(_mm512_scalef_ps(lo[q], e8), sv[q]);
+            hi[q] = _mm512_mul_ps(_mm512_scalef_ps(hi[q], e8), sv[q]);
+          }
+        }
       }
       if constexpr (kBf16Act) {
         const uint16_t* x = static_cast<const uint16_t*>(xv);
@@ -598,28 +675,66 @@ void DotFp8(const WeightView& w, const int64_t* rows, const void* xv, int64_t xs
         for (int q = 0; q < 4; ++q) a[q] = _mm512_cvtne2ps_pbh(hi[q], lo[q]);
         for (int i = 0; i < MR; ++i) {
           const __m512bh xb = AsBh(_mm512_loadu_si512(x + i * xs + k));
-          for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], a[q], xb);
+          for (int q = 0; q < 4; ++q) sum[i][q] = _mm512_dpbf16_ps(sum[i][q], a[q], xb);
         }
       } else {
         const float* x = static_cast<const float*>(xv);
         for (int i = 0; i < MR; ++i) {
           const __m512 x0 = _mm512_loadu_ps(x + i * xs + k), x1 = _mm512_loadu_ps(x + i * xs + k + 16);
           for (int q = 0; q < 4; ++q) {
-            acc[i][q] = _mm512_fmadd_ps(lo[q], x0, acc[i][q]);
-            acc[i][q] = _mm512_fmadd_ps(hi[q], x1, acc[i][q]);
+            sum[i][q] = _mm512_fmadd_ps(lo[q], x0, sum[i][q]);
+            sum[i][q] = _mm512_fmadd_ps(hi[q], x1, sum[i][q]);
           }
+        }
+      }
+    }
+    if constexpr (kFold) {
+      for (int i = 0; i < MR; ++i) {
+        for (int q = 0; q < 4; ++q) {
+          acc[i][q] = e8m0 ? _mm512_add_ps(acc[i][q], _mm512_scalef_ps(blk[i][q], sv[q]))
+                           : _mm512_fmadd_ps(_mm512_scalef_ps(blk[i][q], e8), sv[q], acc[i][q]);
         }
       }
     }
   }
   for (int i = 0; i < MR; ++i)
     for (int q = 0; q < 4; ++q) res[i][q] = Hsum(acc[i][q]);
+  if constexpr (!kFinite) {
+    if (Fp8SawNan(nan_seen)) {
+      for (int q = 0; q < 4; ++q) {
+        if (!Fp8RowHasNan(src[q], kw)) continue;
+        for (int i = 0; i < MR; ++i) res[i][q] = __builtin_nanf("");
+      }
+    }
+  }
+}
+
+template <int MR, bool kBf16Act, bool kFold>
+void DotFp8Finite(const WeightView& w, const int64_t* rows, const void* x, int64_t xs, float res[][4]) {
+  if (w.fp8_finite) {
+    DotFp8<MR, kBf16Act, kFold, true>(w, rows, x, xs, res);
+  } else {
+    DotFp8<MR, kBf16Act, kFold, false>(w, rows, x, xs, res);
+  }
+}
+
+// Four FP8 rows against MR activation rows. Folded (fp32 activations, or E8M0 scales) for up to two activation rows,
+// where the block and total accumulators fit the registers; three or four rows scale each chunk instead (measured
+// faster than folding two weight rows at a time).
+template <int MR, bool kBf16Act>
+void DotFp8Rows(const WeightView& w, const int64_t* rows, const void* x, int64_t xs, float res[][4]) {
+  if (MR <= 2 && (!kBf16Act || w.scale_format == ScaleFormat::kE8M0)) {
+    DotFp8Finite<MR, kBf16Act, MR <= 2>(w, rows, x, xs, res);
+  } else {
+    DotFp8Finite<MR, kBf16Act, false>(w, rows, x, xs, res);
+  }
 }
 
 template <int MR>
 void DotFused(ActType act, const WeightView& w, const int64_t* rows, const void* x, int64_t xs, float res[][4]) {
   if (w.format == WeightFormat::kFp4E2M1) {
     Fp4Rows src;
+    src.row_bytes = w.cols / 2;
     for (int q = 0; q < 4; ++q) {
       src.src[q] = static_cast<const uint8_t*>(w.data) + rows[q] * (w.cols / 2);
       src.scale[q] = static_cast<const uint8_t*>(w.scale) + rows[q] * (w.cols / kFp4Block);
@@ -630,9 +745,9 @@ void DotFused(ActType act, const WeightView& w, const int64_t* rows, const void*
       DotFp4F32<MR>(src, w.cols, static_cast<const float*>(x), xs, res);
     }
   } else if (act == ActType::kBf16) {
-    DotFp8<MR, true>(w, rows, x, xs, res);
+    DotFp8Rows<MR, true>(w, rows, x, xs, res);
   } else {
-    DotFp8<MR, false>(w, rows, x, xs, res);
+    DotFp8Rows<MR, false>(w, rows, x, xs, res);
   }
 }
 

@@ -1,8 +1,10 @@
 // Compressor: ORT glue for kernels/compressor.h. The three state tensors are read from past_* and written to
 // present_*; when the runtime binds one buffer to both (IOBinding, same OrtValue) the kernel updates it in place
 // and writes only the new rows and entry slots, otherwise past is copied to present first. Everything, including
-// the entry capacity, is validated before any output is written.
+// the entry capacity, is validated before any output is written. uint8 entries are FP8 state rows
+// (kernels/state_fp8.h), in the layout named by the fp8_layout attribute.
 #include "kernels/compressor.h"
+#include "kernels/state_fp8.h"
 #include "ops/kernel_api.h"
 #include "ops/op_checks.h"
 
@@ -12,7 +14,9 @@ namespace {
 class CompressorKernel final : public Kernel {
  public:
   explicit CompressorKernel(const KernelInit& init)
-      : k_(*init.tables->compressor), rms_eps_(init.attrs->Float("rms_eps")) {}
+      : k_(*init.tables->compressor),
+        rms_eps_(init.attrs->Float("rms_eps")),
+        index_layout_(init.attrs->String("fp8_layout") == "index") {}
 
   void Compute(ComputeContext& ctx) override {
     const InputView &kv = ctx.Input(0), &score = ctx.Input(1), &ape = ctx.Input(2), &norm_weight = ctx.Input(3);
@@ -38,8 +42,19 @@ class CompressorKernel final : public Kernel {
     RequireShape(ape, {d.ratio, d.width});
     d.half = CheckInvFreq(inv_freq, c, "the entry width");
     const int64_t* sp = CheckStartPos(start_pos, d.batch, d.seq);
-    if (past_entries.rank() != 3 || past_entries.dim(0) != d.batch || past_entries.dim(2) != c) {
-      Fail("input 'past_entries' must have shape [", d.batch, ", N, ", c, "], got ", ShapeString(past_entries.shape));
+    const bool fp8 = past_entries.dtype == kUint8;
+    int64_t row = c;
+    if (fp8) {
+      row = index_layout_ ? state_fp8::IndexKeyBytes(c) : state_fp8::EntryBytes(c, 2 * d.half);
+      if (row < 0) {
+        Fail("FP8 entries in the attention layout need the no-rope channels (c - rd = ", c, " - ", 2 * d.half,
+             ") to be a multiple of ", state_fp8::kBlock);
+      }
+    }
+    if (past_entries.rank() != 3 || past_entries.dim(0) != d.batch || past_entries.dim(2) != row) {
+      Fail("input 'past_entries' must have shape [", d.batch, ", N, ", row, "]",
+           fp8 ? (index_layout_ ? " (FP8 index-key bytes for c = " : " (FP8 entry bytes for c = ") : "",
+           fp8 ? std::to_string(c) : "", fp8 ? ")" : "", ", got ", ShapeString(past_entries.shape));
     }
     d.capacity = past_entries.dim(1);
     RequireShape(past_kv, {d.batch, d.coff * d.ratio, d.width});
@@ -61,7 +76,11 @@ class CompressorKernel final : public Kernel {
     if (d.batch == 0 || d.seq == 0) return;
 
     const F32Vector w(norm_weight);
-    if (past_entries.dtype == kBFloat16) {
+    if (fp8) {
+      const state_fp8::EntryOut out{static_cast<uint8_t*>(entries), row, 2 * d.half, index_layout_};
+      k_.step_fp8(kv.as<float>(), score.as<float>(), ape.as<float>(), w.data(), inv_freq.as<float>(), sp, d, rms_eps_,
+                  out, kv_state, score_state, ctx.Par());
+    } else if (past_entries.dtype == kBFloat16) {
       k_.step_bf16(kv.as<float>(), score.as<float>(), ape.as<float>(), w.data(), inv_freq.as<float>(), sp, d, rms_eps_,
                    static_cast<uint16_t*>(entries), kv_state, score_state, ctx.Par());
     } else {
@@ -73,6 +92,7 @@ class CompressorKernel final : public Kernel {
  private:
   const CompressorKernels& k_;
   float rms_eps_;
+  bool index_layout_;
 };
 
 }  // namespace

@@ -1,5 +1,8 @@
-// Indexer: ORT glue for kernels/indexer.h. Checks that every query's visible entries exist in `keys`.
+// Indexer: ORT glue for kernels/indexer.h. Checks that every query's visible entries exist in `keys`. uint8 keys are
+// FP8 state (kernels/state_fp8.h index-key layout), decoded for the visible entries only.
 #include "kernels/indexer.h"
+#include "kernels/state_fp8.h"
+#include "kernels/state_fp8_ops.h"
 #include "ops/kernel_api.h"
 #include "ops/op_checks.h"
 
@@ -24,10 +27,13 @@ class IndexerKernel final : public Kernel {
       Fail("input 'q' must have at least one head and channel, got shape ", ShapeString(q.shape));
     }
     RequireShape(weights, {d.batch, d.seq, d.heads});
-    if (keys.rank() != 3 || keys.dim(0) != d.batch || keys.dim(2) != d.head_dim) {
-      Fail("input 'keys' must have shape [", d.batch, ", N, ", d.head_dim, "], got ", ShapeString(keys.shape));
+    const bool fp8 = keys.dtype == kUint8;
+    if (!fp8 && keys.dtype != q.dtype) Fail("input 'keys' must have the type of 'q' or be uint8 (FP8 state)");
+    const int64_t row = fp8 ? state_fp8::IndexKeyBytes(d.head_dim) : d.head_dim;
+    if (keys.rank() != 3 || keys.dim(0) != d.batch || keys.dim(2) != row) {
+      Fail("input 'keys' must have shape [", d.batch, ", N, ", row, "]",
+           fp8 ? " (FP8 key bytes: cI codes + a float32 scale)" : "", ", got ", ShapeString(keys.shape));
     }
-    if (keys.dtype != q.dtype) Fail("input 'keys' must have the type of 'q'");
     d.capacity = keys.dim(1);
     const int64_t* sp = CheckStartPos(start_pos, d.batch, d.seq);
     for (int64_t b = 0; b < d.batch && d.seq > 0; ++b) {
@@ -40,7 +46,10 @@ class IndexerKernel final : public Kernel {
     int64_t* indices = ctx.OutputAs<int64_t>(0, {d.batch, d.seq, d.topk});
     if (d.batch == 0 || d.seq == 0) return;
     const F32Vector w(weights);
-    if (q.dtype == kBFloat16) {
+    if (fp8) {
+      state_fp8::IndexerTopk(k_, q.dtype == kBFloat16, q.data, w.data(), keys.as<uint8_t>(), sp, d, indices,
+                             ctx.Par());
+    } else if (q.dtype == kBFloat16) {
       k_.topk_bf16(q.as<uint16_t>(), w.data(), keys.as<uint16_t>(), sp, d, indices, ctx.Par());
     } else {
       k_.topk_f32(q.as<float>(), w.data(), keys.as<float>(), sp, d, indices, ctx.Par());

@@ -2,8 +2,9 @@
 // the op checks K against groups and the weight, the scale shape against the weight and block size, and every
 // E8M0 scale byte (0xFF, the NaN code, is an error) or fp32 scale (must be finite) before the kernel runs. A scale
 // that is a constant initializer is checked once, when the kernel is created (an invalid one fails session
-// creation with the same message), and not again on each call. Weights are used in place, in their checkpoint
-// layout: the kernels need no repacked copy (kernels/linear_blocks.h), so a session holds each weight once.
+// creation with the same message), and not again on each call. A constant FP8 weight is scanned once for NaN codes;
+// without any, the kernels take their NaN-free decode (WeightView::fp8_finite). Weights are used in place, in their
+// checkpoint layout: the kernels need no repacked copy (kernels/linear_blocks.h), so a session holds each weight once.
 #include <algorithm>
 #include <string>
 
@@ -89,6 +90,12 @@ class LinearFp8Kernel final : public LinearKernelBase {
  public:
   explicit LinearFp8Kernel(const KernelInit& init) : LinearKernelBase(init), block_(init.attrs->Int("block_size")) {
     CheckConstantScale(init, 2);
+    // A constant weight without NaN codes lets the kernels skip the NaN fix-up (WeightView::fp8_finite).
+    InputView weight;
+    if (init.constants != nullptr && init.constants->Get(1, &weight) && weight.data != nullptr &&
+        Fp8CodesFinite(weight)) {
+      finite_weight_ = weight.data;
+    }
   }
 
   void Compute(ComputeContext& ctx) override {
@@ -101,6 +108,7 @@ class LinearFp8Kernel final : public LinearKernelBase {
     w.block = KernelBlock(block_, w.rows, w.cols);
     w.scale = scale.data;
     w.scale_format = scale.dtype == kUint8 ? ScaleFormat::kE8M0 : ScaleFormat::kF32;
+    w.fp8_finite = finite_weight_ != nullptr && weight.data == finite_weight_;
     ExpectScaleShape(scale, {BlockCount(w.rows, block_), BlockCount(w.cols, block_)},
                      "[ceil(N/block_size), ceil(Kw/block_size)] for weight " + ShapeString(weight.shape) +
                          " and block_size=" + std::to_string(block_));
@@ -110,6 +118,7 @@ class LinearFp8Kernel final : public LinearKernelBase {
 
  private:
   const int64_t block_;
+  const void* finite_weight_ = nullptr;  // constant weight scanned at creation: no NaN codes
 };
 
 class LinearFp4Kernel final : public LinearKernelBase {

@@ -1,7 +1,9 @@
 // MoeExperts / MoeExpertsFp8 / MoeExpertsFp4: ORT glue for kernels/moe_experts.h. Checks the routing inputs (both
 // or neither; every index in [0, E)), the stacked weight shapes against x, the scale shapes, and the scale values of
 // the experts this call uses, before the kernel runs. Scales that are constant initializers are checked whole (every
-// expert) once, when the kernel is created, and not again per call. Expert weights are used in place.
+// expert) once, when the kernel is created, and not again per call. Constant FP8 expert weights are scanned once for
+// NaN codes; without any, the kernels take their NaN-free decode (WeightView::fp8_finite). Expert weights are used
+// in place.
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -179,6 +181,14 @@ class MoeExpertsFp8Kernel final : public MoeExpertsKernelBase {
   explicit MoeExpertsFp8Kernel(const KernelInit& init)
       : MoeExpertsKernelBase(init), block_(init.attrs->Int("block_size")) {
     CheckConstantScales(init);
+    // Constant expert weights without NaN codes let the kernels skip the NaN fix-up (WeightView::fp8_finite).
+    for (int i = 0; i < 3; ++i) {
+      InputView weight;
+      if (init.constants != nullptr && init.constants->Get(kW1 + i, &weight) && weight.data != nullptr &&
+          Fp8CodesFinite(weight)) {
+        finite_weights_[i] = weight.data;
+      }
+    }
   }
 
   void Compute(ComputeContext& ctx) override {
@@ -199,6 +209,10 @@ class MoeExpertsFp8Kernel final : public MoeExpertsKernelBase {
     w.w1 = Quantised(ctx.Input(kW1), s1, sf, inter, dim, block);
     w.w2 = Quantised(ctx.Input(kW2), s2, sf, dim, inter, block);
     w.w3 = Quantised(ctx.Input(kW3), s3, sf, inter, dim, block);
+    WeightView* views[3] = {&w.w1, &w.w2, &w.w3};
+    for (int i = 0; i < 3; ++i) {
+      views[i]->fp8_finite = finite_weights_[i] != nullptr && ctx.Input(kW1 + i).data == finite_weights_[i];
+    }
     w.num_experts = experts;
     Run(ctx, w, r, k_.f32_fp8, k_.bf16_fp8);
   }
@@ -214,6 +228,7 @@ class MoeExpertsFp8Kernel final : public MoeExpertsKernelBase {
   }
 
   const int64_t block_;
+  const void* finite_weights_[3] = {nullptr, nullptr, nullptr};  // constant w1, w2, w3 without NaN codes
 };
 
 class MoeExpertsFp4Kernel final : public MoeExpertsKernelBase {

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -50,6 +51,23 @@ inline void CheckFp4Width(const InputView& weight, int64_t values, const char* w
          " values per row (2 per byte); FP4 weights need a multiple of ", kFp4Block, " (one E8M0 scale per ",
          kFp4Block, " values)");
   }
+}
+
+// True when no byte of an FP8 E4M3 weight is a NaN code (|code| == 0x7F): the kernels' fp8_finite promise
+// (kernels/linear.h). Reads every byte once, eight at a time: with t = b & 0x7F, t + 1 sets bit 7 only for 0x7F
+// and never carries into the next byte.
+inline bool Fp8CodesFinite(const InputView& weight) {
+  const uint8_t* p = weight.as<uint8_t>();
+  const int64_t n = weight.numel;
+  int64_t i = 0;
+  uint64_t hits = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t v;
+    std::memcpy(&v, p + i, sizeof v);
+    hits |= ((v & 0x7F7F7F7F7F7F7F7Full) + 0x0101010101010101ull) & 0x8080808080808080ull;
+  }
+  for (; i < n; ++i) hits |= (p[i] & 0x7F) == 0x7F ? 1u : 0u;
+  return hits == 0;
 }
 
 // Scale entries [begin, end) (flat) must be valid: E8M0 bytes other than 0xFF, or finite floats.

@@ -1,10 +1,12 @@
 // SparseAttention: ORT glue for kernels/sparse_attention.h. The window ring is read from past_window and written to
 // present_window; when the runtime binds one buffer to both (IOBinding, same OrtValue) only the chunk's slots are
 // written, after the attention has read the ring. Index ranges and entry capacity are validated before anything is
-// written.
+// written. uint8 window / entries are FP8 state (kernels/state_fp8.h): decoded for the rows read, quantised on write.
 #include <cmath>
 
 #include "kernels/sparse_attention.h"
+#include "kernels/state_fp8.h"
+#include "kernels/state_fp8_ops.h"
 #include "ops/kernel_api.h"
 #include "ops/op_checks.h"
 
@@ -28,13 +30,25 @@ class SparseAttentionKernel final : public Kernel {
     d.dim = q.dim(3);
     d.ratio = ratio_;
     RequireShape(kv, {d.batch, d.seq, d.dim});
-    if (window.rank() != 3 || window.dim(0) != d.batch || window.dim(2) != d.dim || window.dim(1) < 1) {
-      Fail("input 'past_window' must have shape [", d.batch, ", n_win >= 1, ", d.dim, "], got ",
+    RequireShape(sink, {d.heads});
+    d.half = CheckInvFreq(inv_freq, d.dim, "the head dimension of 'q'");
+    // State rows: D elements of q's type, or one FP8 entry (EntryBytes(D, rd) bytes) when the state is uint8.
+    const bool fp8 = window.dtype == kUint8;
+    if (!fp8 && window.dtype != q.dtype) Fail("input 'past_window' must have the type of 'q' or be uint8 (FP8 state)");
+    int64_t row = d.dim;
+    if (fp8) {
+      row = state_fp8::EntryBytes(d.dim, 2 * d.half);
+      if (row < 0) {
+        Fail("FP8 state needs the no-rope channels (D - rd = ", d.dim, " - ", 2 * d.half,
+             ") to be a multiple of ", state_fp8::kBlock);
+      }
+    }
+    if (window.rank() != 3 || window.dim(0) != d.batch || window.dim(2) != row || window.dim(1) < 1) {
+      Fail("input 'past_window' must have shape [", d.batch, ", n_win >= 1, ", row, "]",
+           fp8 ? " (FP8 entry bytes for D = " : "", fp8 ? std::to_string(d.dim) : "", fp8 ? ")" : "", ", got ",
            ShapeString(window.shape));
     }
     d.window = window.dim(1);
-    RequireShape(sink, {d.heads});
-    d.half = CheckInvFreq(inv_freq, d.dim, "the head dimension of 'q'");
     const int64_t* sp = CheckStartPos(start_pos, d.batch, d.seq);
 
     // Entries and indices take part only when ratio > 0 and entries are given (as in the spec).
@@ -42,8 +56,10 @@ class SparseAttentionKernel final : public Kernel {
     d.capacity = 0;
     d.topk = 0;
     if (entries.present) {
-      if (entries.rank() != 3 || entries.dim(0) != d.batch || entries.dim(2) != d.dim) {
-        Fail("input 'entries' must have shape [", d.batch, ", N, ", d.dim, "], got ", ShapeString(entries.shape));
+      if (entries.rank() != 3 || entries.dim(0) != d.batch || entries.dim(2) != row) {
+        Fail("input 'entries' must have shape [", d.batch, ", N, ", row, "]",
+             fp8 ? " (FP8 entry bytes for D = " : "", fp8 ? std::to_string(d.dim) : "", fp8 ? ")" : "", ", got ",
+             ShapeString(entries.shape));
       }
       if (use_entries) d.capacity = entries.dim(1);
     }
@@ -77,7 +93,12 @@ class SparseAttentionKernel final : public Kernel {
 
     void* o = ctx.Output(0, q.shape);
     void* present = ctx.Output(1, window.shape);
-    if (q.numel > 0) {
+    if (q.numel > 0 && fp8) {
+      const int64_t* idx = use_indices && d.topk > 0 ? indices.as<int64_t>() : nullptr;
+      state_fp8::Attend(k_, q.dtype == kBFloat16, q.data, kv.data, window.as<uint8_t>(),
+                        use_entries ? entries.as<uint8_t>() : nullptr, idx, sink.as<float>(), inv_freq.as<float>(), sp,
+                        d, scale, o, ctx.Par());
+    } else if (q.numel > 0) {
       const int64_t* idx = use_indices && d.topk > 0 ? indices.as<int64_t>() : nullptr;
       if (q.dtype == kBFloat16) {
         k_.attend_bf16(q.as<uint16_t>(), kv.as<uint16_t>(), window.as<uint16_t>(),
@@ -90,7 +111,11 @@ class SparseAttentionKernel final : public Kernel {
     }
     // The ring is updated only after the attention has read it (present may be past's own buffer).
     PreparePresent(window, present, "present_window");
-    if (kv.numel > 0) k_.window_write(kv.data, sp, d, ElementBytes(kv.dtype), present);
+    if (kv.numel > 0 && fp8) {
+      state_fp8::WindowWrite(kv.data, kv.dtype == kBFloat16, sp, d, static_cast<uint8_t*>(present));
+    } else if (kv.numel > 0) {
+      k_.window_write(kv.data, sp, d, ElementBytes(kv.dtype), present);
+    }
   }
 
  private:

@@ -394,8 +394,18 @@ def gen_rope(b):
     return attrs
 
 
+def fp8_entry_bytes(dim: int, rope: int) -> int:
+    """Row bytes of an FP8 attention-state entry (custom_ops/kernels/state_fp8.h)."""
+    return (dim - rope) + 2 * rope + ((dim - rope) // 64 + 7) // 8 * 8
+
+
 def gen_compressor(b):
+    layout = b.gchoice(["attention", "index"])
+    fp8 = b.type_of("past_entries") == "uint8"  # FP8 state rows: widths that fit the layout
     bs, s, c, coff, r = b.small(1, 2), b.small(1, 6), b.choice([2, 4, 8]), b.small(1, 2), b.choice([1, 2, 4])
+    half = b.small(0, c // 2)
+    if fp8 and layout == "attention":
+        c = 64 + 2 * half
     start = b.rng.integers(0, 24, size=bs)
     cap = int(((start + s) // r).max()) + b.small(0, 2)
     w = coff * c
@@ -403,12 +413,13 @@ def gen_compressor(b):
     b.put("score", [bs, s, w])
     b.put("ape", [r, w])
     b.put("norm_weight", [c])
-    b.put("inv_freq", [b.small(0, c // 2)], kind="freq")
+    b.put("inv_freq", [half], kind="freq")
     b.put("start_pos", [bs], data=start.astype(np.int64))
-    b.put("past_entries", [bs, cap, c])
+    row = (fp8_entry_bytes(c, 2 * half) if layout == "attention" else c + 4) if fp8 else c
+    b.put("past_entries", [bs, cap, row])
     b.put("past_kv_state", [bs, coff * r, w])
     b.put("past_score_state", [bs, coff * r, w])
-    return {}
+    return {"fp8_layout": layout} if fp8 else {}
 
 
 def gen_indexer(b):
@@ -418,7 +429,7 @@ def gen_indexer(b):
     cap = int(((start + s) // ratio).max()) + b.small(0, 2)
     b.put("q", [bs, s, heads, cd])
     b.put("weights", [bs, s, heads])
-    b.put("keys", [bs, cap, cd])
+    b.put("keys", [bs, cap, cd + 4 if b.type_of("keys") == "uint8" else cd])  # uint8: FP8 keys + float32 scale
     b.put("start_pos", [bs], data=start.astype(np.int64))
     return {"ratio": ratio, "index_topk": topk}
 
@@ -426,16 +437,21 @@ def gen_indexer(b):
 def gen_sparse_attention(b):
     ratio, with_entries, with_indices, explicit = b.gchoice([0, 4]), b.gflag(0.8), b.gflag(0.6), b.gflag(0.3)
     bs, s, heads, dim, win = b.small(1, 2), b.small(1, 4), b.small(1, 3), 2 * b.small(1, 4), b.small(1, 6)
+    half = b.small(0, dim // 2)
+    fp8 = b.type_of("past_window") == "uint8"  # FP8 state rows: D - rd must be a multiple of 64
+    if fp8:
+        dim = 64 + 2 * half
+    row = fp8_entry_bytes(dim, 2 * half) if fp8 else dim
     start = b.rng.integers(0, 20, size=bs)
     b.put("q", [bs, s, heads, dim])
     b.put("kv", [bs, s, dim])
-    b.put("past_window", [bs, win, dim])
+    b.put("past_window", [bs, win, row])
     b.put("sink", [heads])
-    b.put("inv_freq", [b.small(0, dim // 2)], kind="freq")
+    b.put("inv_freq", [half], kind="freq")
     b.put("start_pos", [bs], data=start.astype(np.int64))
     if ratio and with_entries:
         cap = int(((start + s) // ratio).max()) + b.small(0, 2)
-        b.put("entries", [bs, cap, dim])
+        b.put("entries", [bs, cap, row])
         if with_indices:
             b.put("indices", [bs, s, b.small(0, 4)], lo=-1, hi=max(cap, 0))
     return {"ratio": ratio} if ratio or explicit else {}
@@ -1121,10 +1137,23 @@ def sweep_main(args) -> int:
         print(json.dumps({"file": name, "op": case.op, "phase": "start"}), flush=True)
         outcome, msg = runner.run(case)
         print(json.dumps({"file": name, "op": case.op, "outcome": outcome, "message": msg[-300:]}), flush=True)
+    print(json.dumps({"peak_rss_kb": _peak_rss_kb()}), flush=True)
+    return 0
+
+
+def _peak_rss_kb() -> int:
+    """This process's own peak RSS. Linux's ru_maxrss keeps the high-water mark of the image replaced by exec, i.e.
+    of the (possibly large) parent that forked this worker; VmHWM belongs to the current address space only."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
     import resource
 
-    print(json.dumps({"peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}), flush=True)
-    return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def make_corpus(out_dir: str, cases: int, seed: int, per_op: int, max_bytes: int = 4096, log=print) -> int:

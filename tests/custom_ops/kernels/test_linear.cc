@@ -269,7 +269,7 @@ void TestShapes(const Variant& v, ActType act, Fmt fmt) {
   for (const Shape& s : shapes) {
     for (int64_t m : {1, 2, 3, 4, 5, 8, 16, 17, 69}) {
       if (s.kw > 1000 && m > 17 && v.name == "amx_emu") continue;  // emulated tiles are slow
-      const Problem p = MakeProblem(rng, act, fmt, m, s.n, s.kw, s.groups, s.block);
+      Problem p = MakeProblem(rng, act, fmt, m, s.n, s.kw, s.groups, s.block);
       const std::vector<float> want = Reference(p);
       const std::vector<float> got = Run(v.run, p, threads.Get());
       ExpectMatches(v.name + " " + Describe(p, fmt), p, got, want, act == ActType::kF32 ? v.parts : 1.0);
@@ -277,25 +277,42 @@ void TestShapes(const Variant& v, ActType act, Fmt fmt) {
         const std::vector<float> serial = Run(v.run, p, dsv4::SerialParallel());
         dsv4_test::ExpectIdentical(v.name + " serial vs threads " + Describe(p, fmt), serial, got);
       }
+      if (fp8) {  // the NaN-free promise (no NaN codes here) changes no result
+        p.w.view.fp8_finite = true;
+        dsv4_test::ExpectIdentical(v.name + " fp8_finite " + Describe(p, fmt), Run(v.run, p, threads.Get()), got);
+      }
     }
   }
 }
 
-// FP8 NaN codes decode to NaN and reach exactly the outputs that read them; M = 0 and N = 0 write nothing; Kw = 0
-// gives zeros.
+// FP8 NaN codes decode to NaN and reach exactly the outputs that read them (against a zero activation too, with
+// either scale format, in a row's last partial chunk and in the last partial group of rows); M = 0 and N = 0 write
+// nothing; Kw = 0 gives zeros.
 void TestNanAndEmpty(const Variant& v) {
   dsv4_test::RequireIsa(v.needs);
   Rng rng(99);
   for (ActType act : {ActType::kF32, ActType::kBf16}) {
-    for (int64_t m : {1, 20}) {
-      Problem p = MakeProblem(rng, act, Fmt::kFp8E8m0, m, 40, 64, 1, 32);
-      p.w.data[3 * 64 + 5] = 0x7F;
-      p.w.data[17 * 64 + 63] = 0xFF;
-      const std::vector<float> got = Run(v.run, p, dsv4::SerialParallel());
-      for (int64_t i = 0; i < m; ++i) {
-        for (int64_t j = 0; j < 40; ++j) {
-          const bool nan = std::isnan(got[i * 40 + j]);
-          KT_CHECK(nan == (j == 3 || j == 17)) << v.name << " row " << i << " col " << j << ": " << got[i * 40 + j];
+    for (Fmt fmt : {Fmt::kFp8E8m0, Fmt::kFp8F32}) {
+      for (int64_t m : {1, 2, 3, 4, 20}) {
+        Problem p = MakeProblem(rng, act, fmt, m, 39, 77, 1, 32);
+        p.w.data[3 * 77 + 5] = 0x7F;
+        p.w.data[17 * 77 + 76] = 0xFF;  // the row's partial last chunk
+        p.w.data[38 * 77 + 40] = 0x7F;  // the last, partial group of four rows (36..38)
+        for (int64_t i = 0; i < m; ++i) {  // a NaN code meets a zero activation: still NaN
+          if (act == ActType::kF32) {
+            p.x32[i * 77 + 5] = 0.0f;
+          } else {
+            p.x16[i * 77 + 5] = 0;
+          }
+        }
+        const std::vector<float> got = Run(v.run, p, dsv4::SerialParallel());
+        for (int64_t i = 0; i < m; ++i) {
+          for (int64_t j = 0; j < 39; ++j) {
+            const bool nan = std::isnan(got[i * 39 + j]);
+            KT_CHECK(nan == (j == 3 || j == 17 || j == 38))
+                << v.name << " " << FmtName(fmt) << " M=" << m << " row " << i << " col " << j << ": "
+                << got[i * 39 + j];
+          }
         }
       }
     }

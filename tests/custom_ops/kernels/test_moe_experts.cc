@@ -263,14 +263,48 @@ void TestVariant(const Variant& v, ActType act, Fmt fmt) {
       {23, 1, 1, fp4 ? 64 : 72, fp4 ? 96 : 90, 32, 10.0f, true},        // dense mode (shared expert)
       {3, 9, 4, fp4 ? 128 : 150, 64, 128, 10.0f, false},
   };
+  const bool fp8 = fmt == Fmt::kFp8E8m0 || fmt == Fmt::kFp8F32;
   for (const Case& c : cases) {
-    const Problem p = MakeProblem(rng, act, fmt, c.tokens, c.experts, c.k, c.dim, c.inter, c.block, c.limit, c.dense);
+    Problem p = MakeProblem(rng, act, fmt, c.tokens, c.experts, c.k, c.dim, c.inter, c.block, c.limit, c.dense);
     const std::vector<float> want = Run([](auto... a) { RunTable(dsv4::ref::kMoeExperts, a...); }, p,
                                         dsv4::SerialParallel());
     const std::vector<float> got = Run(v.run, p, threads.Get());
     ExpectMatches(v.name + " " + Describe(p, fmt), act, got, want);
     dsv4_test::ExpectIdentical(v.name + " serial vs threads " + Describe(p, fmt), Run(v.run, p, dsv4::SerialParallel()),
                                got);
+    if (fp8) {  // the NaN-free promise changes nothing for weights without NaN codes
+      p.ew.w1.fp8_finite = p.ew.w2.fp8_finite = p.ew.w3.fp8_finite = true;
+      dsv4_test::ExpectIdentical(v.name + " fp8_finite " + Describe(p, fmt), Run(v.run, p, threads.Get()), got);
+    }
+  }
+}
+
+// FP8 NaN codes (without the fp8_finite promise) reach exactly the outputs the reference makes NaN: one in W2 of a
+// used expert poisons one output column of its tokens, one in W1 every output of its tokens.
+void TestNanCodes(const Variant& v, ActType act) {
+  dsv4_test::RequireIsa(v.needs);
+  Rng rng(71);
+  for (int where = 0; where < 2; ++where) {
+    for (int64_t tokens : {1, 17}) {
+      Problem p = MakeProblem(rng, act, Fmt::kFp8E8m0, tokens, 6, 2, 96, 64, 32, 10.0f, false);
+      const int64_t e = p.indices[0];
+      if (where == 0) {
+        p.w2.data[e * 96 * 64 + 5 * 64 + 3] = 0x7F;  // W2 of expert e, output row 5
+      } else {
+        p.w1.data[e * 64 * 96 + 9 * 96 + 40] = 0xFF;  // W1 of expert e, intermediate row 9
+      }
+      const std::vector<float> want = Run([](auto... a) { RunTable(dsv4::ref::kMoeExperts, a...); }, p,
+                                          dsv4::SerialParallel());
+      const std::vector<float> got = Run(v.run, p, dsv4::SerialParallel());
+      int64_t nans = 0;
+      for (size_t i = 0; i < want.size(); ++i) {
+        nans += std::isnan(want[i]) ? 1 : 0;
+        KT_CHECK(std::isnan(got[i]) == std::isnan(want[i]))
+            << v.name << " NaN code in W" << (where == 0 ? 2 : 1) << ", T=" << tokens << ", output " << i << ": got "
+            << got[i] << ", want " << want[i];
+      }
+      KT_CHECK(nans > 0) << "the NaN code must reach some output";
+    }
   }
 }
 
@@ -281,6 +315,8 @@ const bool kRegistered = [] {
         kt::Register("moe_experts_" + v.name + "_" + (act == ActType::kF32 ? "f32" : "bf16") + "_" + FmtName(fmt),
                      [v, act, fmt] { TestVariant(v, act, fmt); });
       }
+      kt::Register("moe_experts_" + v.name + "_" + (act == ActType::kF32 ? "f32" : "bf16") + "_fp8_nan_codes",
+                   [v, act] { TestNanCodes(v, act); });
     }
   }
   return true;

@@ -5,8 +5,10 @@
 // Cases: window-only rows at the sequence start and with a wrapped ring, chunks longer than the window, entries
 // whose visibility changes inside the chunk (all visible: HCA; selected with -1, duplicates and not-yet-visible
 // indices: CSA), rows with no selected entry, rows of a batch at different positions, odd head counts and widths
-// (vector and tile tails), DeepSeek-V4 shapes (64 heads of 512, window 128) in decode and in a short prefill, and
-// a sink so large that the output is exactly zero.
+// (vector and tile tails), DeepSeek-V4 shapes (64 heads of 512, window 128) in decode and in a short prefill, decode
+// with full-precision fp32 values at several head counts, key counts and batch positions (the fp32 decode paths: key
+// ranges per task with their merge on 3 and 8 threads, whole items serially), and a sink so large that the output is
+// exactly zero.
 //
 // Tolerances: fp32 outputs differ from the reference by summation order only (the reference accumulates dots in
 // double; the variants in fp32 over at most a few thousand terms of O(1) values, exp within a few ulp), so
@@ -56,6 +58,8 @@ struct Config {
   int64_t B, S, H, D, n_win, half, ratio, N, topk;
   std::vector<int64_t> starts;
   float q_amp = 1.5f;
+  bool bf16_values = true;  // false: full fp32 values (the fp32 tile path's mid and lo pieces are non-zero)
+  bool no_entries_row0 = false;  // row 0 of the batch selects no entry at all (every index -1)
 };
 
 std::string Describe(const Config& c) {
@@ -66,7 +70,8 @@ std::string Describe(const Config& c) {
   return s;
 }
 
-// Values are bf16-representable, so the fp32 and bf16 runs see the same inputs.
+// Values are bf16-representable, so the fp32 and bf16 runs see the same inputs, unless a config asks for full fp32
+// ones (the bf16 run then sees them rounded, as its reference does).
 float Bf16Value(float v) { return dsv4::Bf16ToF32(dsv4::F32ToBf16(v)); }
 
 Problem Make(Rng& rng, const Config& c) {
@@ -75,7 +80,7 @@ Problem Make(Rng& rng, const Config& c) {
                             c.topk > 0 ? c.topk : 0};
   const auto fill = [&](std::vector<float>& v, size_t n, float amp) {
     v.resize(n);
-    for (auto& x : v) x = Bf16Value(amp * rng.Normal());
+    for (auto& x : v) x = c.bf16_values ? Bf16Value(amp * rng.Normal()) : amp * rng.Normal();
   };
   fill(p.q, c.B * c.S * c.H * c.D, c.q_amp);
   fill(p.kv, c.B * c.S * c.D, 1.0f);
@@ -96,6 +101,7 @@ Problem Make(Rng& rng, const Config& c) {
     // duplicates, and one query with no selected entry
     if (c.topk >= 3) p.indices[1] = p.indices[2] = p.indices[0];
     if (c.B * c.S > 1) std::fill(p.indices.begin() + c.topk, p.indices.begin() + 2 * c.topk, int64_t{-1});
+    if (c.no_entries_row0) std::fill(p.indices.begin(), p.indices.begin() + c.S * c.topk, int64_t{-1});
   }
   p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.D)));
   return p;
@@ -164,6 +170,25 @@ std::vector<Config> Configs() {
   c.push_back({1, 1, 64, 512, 128, 32, 4, 300, 256, {1199}});
   c.push_back({2, 1, 64, 512, 128, 32, 128, 12, 0, {1500, 700}});
   c.push_back({1, 5, 64, 512, 128, 32, 4, 300, 160, {1170}});
+  // decode with full fp32 values (every piece of the fp32 tile split in play): head counts that are and are not
+  // multiples of 16 and above 64 (two groups); key counts that straddle the 32-key blocks and the split ranges at the
+  // window / entry boundary; a row without any selected entry next to rows at other positions (empty split ranges);
+  // batch rows at different positions
+  Config f{1, 1, 64, 512, 128, 32, 4, 700, 512, {2700}};
+  f.bf16_values = false;
+  c.push_back(f);
+  for (int64_t H : {7, 17, 40, 80}) {
+    Config h{2, 1, H, 96, 24, 8, 4, 200, 90, {61, 779}};
+    h.bf16_values = false;
+    c.push_back(h);
+  }
+  Config r{3, 1, 33, 128, 40, 16, 4, 120, 100, {0, 37, 470}};
+  r.bf16_values = false;
+  r.no_entries_row0 = true;
+  c.push_back(r);
+  Config w{2, 1, 16, 64, 200, 8, 128, 9, 0, {5, 1150}};  // HCA: window rows only on the fresh row
+  w.bf16_values = false;
+  c.push_back(w);
   return c;
 }
 

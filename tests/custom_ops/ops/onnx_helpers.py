@@ -109,7 +109,7 @@ def run_op(op: str, inputs: dict, attrs: dict | None = None, isa: str | None = N
     outs = []
     for o, t, shape in zip(spec.outputs, out_types, shapes):
         np_dtype = {TensorProto.FLOAT: np.float32, TensorProto.INT64: np.int64,
-                    TensorProto.BFLOAT16: np.uint16}[t]
+                    TensorProto.BFLOAT16: np.uint16, TensorProto.UINT8: np.uint8}[t]
         buf = np.empty(shape, np_dtype)
         io.bind_output(o.name, "cpu", 0, t, list(shape), buf.ctypes.data)
         outs.append(buf)
@@ -157,7 +157,7 @@ def run_op_inplace(op: str, inputs: dict, alias: dict, attrs: dict | None = None
             outs.append(inputs[alias[o.name]])
             continue
         np_dtype = {TensorProto.FLOAT: np.float32, TensorProto.INT64: np.int64,
-                    TensorProto.BFLOAT16: np.uint16}[t]
+                    TensorProto.BFLOAT16: np.uint16, TensorProto.UINT8: np.uint8}[t]
         buf = np.empty(shape, np_dtype)
         io.bind_output(o.name, "cpu", 0, t, list(shape), buf.ctypes.data)
         outs.append(buf)
@@ -209,7 +209,7 @@ def run_op_const(op: str, inputs: dict, constants: tuple, attrs: dict | None = N
     outs = []
     for o, t, shape in zip(spec.outputs, out_types, shapes):
         buf = np.empty(shape, {TensorProto.FLOAT: np.float32, TensorProto.INT64: np.int64,
-                               TensorProto.BFLOAT16: np.uint16}[t])
+                               TensorProto.BFLOAT16: np.uint16, TensorProto.UINT8: np.uint8}[t])
         io.bind_output(o.name, "cpu", 0, t, list(shape), buf.ctypes.data)
         outs.append(buf)
     sess.run_with_iobinding(io)

@@ -157,6 +157,28 @@ def test_linear_fp8_nan_code_propagates(isa):
     assert np.isnan(y[:, [1, 2]]).all() and np.isfinite(y[:, [0, 3]]).all()
 
 
+@pytest.mark.parametrize("m", [1, 2, 4, 9])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_linear_fp8_constant_nan_code_propagates(isa, m, dtype):
+    """A constant weight is scanned for NaN codes at creation; one that holds some keeps the NaN-propagating decode:
+    the same outputs as the weight fed as an input, NaN exactly where a row holds a NaN code (even against a zero
+    activation), and a NaN-free constant weight gives the same outputs as fed as an input."""
+    rng = np.random.default_rng(19)
+    x, _ = activations(rng, (m, 200), dtype)
+    x[:, 3] = 0
+    wt = make_weight(random_weight(rng, 37, 200), "fp8_e8m0")
+    codes = np.asarray(wt.data).copy()
+    codes[1, 3] = 0x7F
+    codes[30, 199] = 0xFF
+    for c in (codes, np.asarray(wt.data)):
+        inputs = {"x": x, "weight": fp8_e4m3(c), "scale": wt.scale}
+        (y,) = run_op_const("LinearFp8", inputs, ("weight", "scale"), {}, isa)
+        (want,) = run_op("LinearFp8", inputs, {}, isa)
+        np.testing.assert_array_equal(y, want)
+        rows = [1, 30] if c is codes else []
+        assert np.isnan(y[:, rows]).all() and np.isfinite(np.delete(y, rows, axis=1)).all()
+
+
 def test_linear_k_zero_gives_zeros():
     (y,) = run_op("Linear", {"x": np.zeros((3, 0), np.float32), "weight": np.zeros((5, 0), np.float32)})
     np.testing.assert_array_equal(y, np.zeros((3, 5), np.float32))

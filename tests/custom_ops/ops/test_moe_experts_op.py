@@ -4,7 +4,7 @@ built with models.quant), every ISA level."""
 import numpy as np
 import pytest
 import torch
-from onnx_helpers import bf16, bf16_to_f32, run_op, run_op_const, session_error
+from onnx_helpers import bf16, bf16_to_f32, fp8_e4m3, run_op, run_op_const, session_error
 from weight_formats import FORMATS, SUFFIX, make_stacked
 
 from testutil import tol
@@ -153,6 +153,27 @@ def test_constant_weights(isa, fmt, dtype):
     y = run_op_const("MoeExperts" + SUFFIX[fmt], inputs, consts, attrs, isa)[0]
     np.testing.assert_array_equal(y, run_moe(fmt, x, weights, indices, ws, block=32, isa=isa))
     check(y, reference(xt, weights, indices, ws), dtype)
+
+
+@pytest.mark.parametrize("tokens", [1, 13])
+def test_constant_fp8_weights_with_nan_codes(isa, tokens):
+    """Constant FP8 expert weights holding NaN codes keep the NaN-propagating decode: the same outputs as the weights
+    fed as inputs, with NaN where the reference has it (a NaN code in W2 row 5 of a used expert: column 5 of its
+    tokens)."""
+    rng = np.random.default_rng(91)
+    x, xt = activations(rng, tokens, 64, "float32")
+    weights, indices = routing(rng, tokens, 5, 2)
+    ws = expert_weights(rng, 5, 96, 64, "fp8_e8m0", 32)
+    w2 = np.asarray(ws[1].data).copy()
+    used = int(indices[0, 0])
+    w2[used, 5, 7] = 0x7F
+    inputs = {"x": x, "weights": weights, "indices": indices, "w1": ws[0].data, "w2": fp8_e4m3(w2),
+              "w3": ws[2].data, "s1": ws[0].scale, "s2": ws[1].scale, "s3": ws[2].scale}
+    consts = ("w1", "w2", "w3", "s1", "s2", "s3")
+    y = run_op_const("MoeExpertsFp8", inputs, consts, {"block_size": 32}, isa)[0]
+    np.testing.assert_array_equal(y, run_op("MoeExpertsFp8", inputs, {"block_size": 32}, isa)[0])
+    hit = (indices == used).any(axis=1)
+    assert np.isnan(y[hit, 5]).all() and np.isfinite(np.delete(y, 5, axis=1)).all() and np.isfinite(y[~hit]).all()
 
 
 def test_result_independent_of_threads():
