@@ -96,7 +96,8 @@ def test_repeated_sessions_do_not_leak(tiny):
     """50 create / run / destroy cycles in a fresh process: RSS after the first 10 (allocator pools, onnxruntime's
     one-time state warmed up) may grow by at most 2 MiB over the remaining 40. (A library that onnxruntime unloads
     and reloads with every session leaked ~140 KiB per cycle, 5-6 MiB here; the growth measured now is ~0.1 MiB.)"""
-    r = subprocess.run([sys.executable, "-c", LEAK_PROBE, str(tiny.parent), "50", "10"], capture_output=True,
+    # -P: the checkout's dsv4_ort/ folder (the cwd) must not shadow the installed package.
+    r = subprocess.run([sys.executable, "-P", "-c", LEAK_PROBE, str(tiny.parent), "50", "10"], capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0, r.stderr
     import json

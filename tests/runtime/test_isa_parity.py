@@ -54,7 +54,8 @@ def test_environment_cap_generates_the_same_tokens(tiny, best_ids, level):
     """DSV4_ORT_ISA set for the whole process, as a user would: the library reports the capped level and greedy
     generation gives the tokens of the best level."""
     env = dict(os.environ, DSV4_ORT_ISA=level)
-    r = subprocess.run([sys.executable, "-c", GENERATE, str(tiny.parent)], capture_output=True, text=True, env=env,
+    # -P: the checkout's dsv4_ort/ folder (the cwd) must not shadow the installed package.
+    r = subprocess.run([sys.executable, "-P", "-c", GENERATE, str(tiny.parent)], capture_output=True, text=True, env=env,
                        timeout=600)
     assert r.returncode == 0, r.stderr
     isa, *ids = r.stdout.split()
