@@ -44,5 +44,6 @@ export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 echo "sanitizer build: $lib" >&2
 # --capture=sys: a sanitizer report is written to file descriptor 2 just before the process aborts; fd-level capture
 # would swallow it.
-exec "$PYTHON" -m pytest -q -p no:cacheprovider --capture=sys tests/custom_ops/ops tests/runtime tests/fuzz \
+# -P: the checkout's dsv4_ort/ folder (the cwd) must not shadow the installed package.
+exec "$PYTHON" -P -m pytest -q -p no:cacheprovider --capture=sys tests/custom_ops/ops tests/runtime tests/fuzz \
   --deselect tests/runtime/test_concurrency.py::test_repeated_sessions_do_not_leak "$@"
