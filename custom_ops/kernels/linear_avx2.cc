@@ -418,6 +418,83 @@ void RowsFp8Fused(const float* x, const WeightView& w, int64_t n0, int64_t n1, c
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// Decode path for FP4 and up to four activation rows: the codes are decoded in registers (no scratch write and
+// read-back). Per 32-column block and weight row, one table of the eight magnitudes times the block's scale (the
+// same products DecodeFp4Row stores); a code's value is VPERMPS(table, code) with the sign bit XORed in. The table
+// is stored pre-XORed with (c << 28) for entry c, so that XOR with (code << 28) -- which puts the sign at bit 31 and
+// the three magnitude bits on 28..30 -- both restores the entry and applies the sign: no mask is needed. Columns
+// come out as [8 even, 8 odd] per 16 and are accumulated in the order DotF32Rows takes on a decoded row, so the
+// results are bit-identical to the decode-to-scratch path.
+
+bool FusedFp4(const WeightView& w, int64_t m) { return m >= 1 && m <= 4 && w.format == WeightFormat::kFp4E2M1; }
+
+// R weight rows x MR activation rows (R * MR <= 8 accumulators).
+template <int R, int MR>
+void DotFp4Fused(const WeightView& w, const int64_t* rows, const float* x, int64_t xs, float res[][4]) {
+  const int64_t kw = w.cols, row_bytes = kw / 2, blocks = kw / kFp4Block;
+  const uint8_t* src[R];
+  const uint8_t* scales[R];
+  for (int q = 0; q < R; ++q) {
+    src[q] = static_cast<const uint8_t*>(w.data) + rows[q] * row_bytes;
+    scales[q] = static_cast<const uint8_t*>(w.scale) + rows[q] * blocks;
+  }
+  const __m256 magnitudes = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+  const __m256i comp = _mm256_setr_epi32(0, 1 << 28, 2 << 28, 3 << 28, 4 << 28, 5 << 28, 6 << 28, 7 << 28);
+  __m256 acc[MR][R];
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < R; ++q) acc[i][q] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t k = b * kFp4Block;
+    for (int q = 0; q < R; ++q) {
+      if ((b & 3) == 0) _mm_prefetch(PrefetchTarget(src[q], k / 2, row_bytes), _MM_HINT_T0);
+      const __m256 table = _mm256_castsi256_ps(_mm256_xor_si256(
+          _mm256_castps_si256(_mm256_mul_ps(magnitudes, _mm256_set1_ps(E8M0ToF32(scales[q][b])))), comp));
+      for (int h = 0; h < 2; ++h) {  // 8 bytes = 16 codes: columns k + 16h .. k + 16h + 15
+        const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src[q] + k / 2 + 8 * h)));
+        const __m256i e = _mm256_srli_epi32(d, 4);
+        const __m256 even = _mm256_castsi256_ps(
+            _mm256_xor_si256(_mm256_castps_si256(_mm256_permutevar8x32_ps(table, d)), _mm256_slli_epi32(d, 28)));
+        const __m256 odd = _mm256_castsi256_ps(
+            _mm256_xor_si256(_mm256_castps_si256(_mm256_permutevar8x32_ps(table, e)), _mm256_slli_epi32(e, 28)));
+        for (int i = 0; i < MR; ++i) {
+          const float* xi = x + i * xs + k + 16 * h;
+          acc[i][q] = _mm256_fmadd_ps(even, _mm256_loadu_ps(xi), acc[i][q]);
+          acc[i][q] = _mm256_fmadd_ps(odd, _mm256_loadu_ps(xi + 8), acc[i][q]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < R; ++q) res[i][q] = Hsum(acc[i][q]);
+}
+
+void RowsFp4Fused(const float* x, int64_t xs, int64_t m, const WeightView& w, int64_t n0, int64_t n1,
+                  const MatOut& out) {
+  const int64_t step = m <= 2 ? 4 : 2;
+  for (int64_t r0 = n0; r0 < n1; r0 += step) {
+    int64_t rows[4];
+    for (int q = 0; q < 4; ++q) rows[q] = r0 + q < n1 ? r0 + q : n1 - 1;
+    float res[4][4];
+    switch (m) {
+      case 1: DotFp4Fused<4, 1>(w, rows, x, xs, res); break;
+      case 2: DotFp4Fused<4, 2>(w, rows, x, xs, res); break;
+      case 3: DotFp4Fused<2, 3>(w, rows, x, xs, res); break;
+      default: DotFp4Fused<2, 4>(w, rows, x, xs, res); break;
+    }
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t q = 0; q < step && r0 + q < n1; ++q) {
+        const int64_t at = i * out.ld + r0 - n0 + q;
+        if (out.bf16) {
+          static_cast<uint16_t*>(out.data)[at] = F32ToBf16(res[i][q]);
+        } else {
+          static_cast<float*>(out.data)[at] = res[i][q];
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // LinearBlocks.
 
 bool RowsSupported(ActType, const WeightView& w) {
@@ -449,7 +526,7 @@ void PrepareRows(ActType act, const WeightView& w, const void* x, int64_t ldx, c
 int64_t RowBlock(int64_t m) { return m <= 4 ? 4 : 64; }
 
 size_t RowsScratch(ActType act, const WeightView& w, int64_t m) {
-  if (KindOf(act, w) != RowKind::kF32Decoded || FusedFp8(act, w, m)) return 0;
+  if (KindOf(act, w) != RowKind::kF32Decoded || FusedFp8(act, w, m) || FusedFp4(w, m)) return 0;
   return static_cast<size_t>(RowBlock(m) * Pad32(w.cols)) * sizeof(float);
 }
 
@@ -485,6 +562,10 @@ void Rows(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n
   const float* x = static_cast<const float*>(xp);
   if (FusedFp8(act, w, m)) {
     RowsFp8Fused(x, w, n0, n1, out);
+    return;
+  }
+  if (FusedFp4(w, m)) {
+    RowsFp4Fused(x, kp, m, w, n0, n1, out);
     return;
   }
   for (int64_t b0 = n0; b0 < n1; b0 += block) {
