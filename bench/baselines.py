@@ -55,6 +55,10 @@ class TorchBaseline:
             self.experts = int(max(k, min(E, pool.size // max(per_expert, 1))))
             inputs = [Input(i.name, i.kind, (self.experts, *i.shape[1:]), i.dtype, i.data) if i.kind == "weight"
                       else i for i in inputs]
+            # the case's own routing may name experts past the ones held here: start from run 0 of the rotation
+            routed = case.torch_rotate(0, self.experts)
+            inputs = [Input(i.name, i.kind, i.shape, i.dtype, routed[i.name]) if i.name in routed else i
+                      for i in inputs]
         self.inputs = inputs
         self.nodes = []
         self.cold_bytes_alloc = 0
