@@ -5,15 +5,6 @@
 
 namespace dsv4 {
 namespace attn_keys {
-namespace {
-
-// Floor modulo (Python's %) for a positive modulus.
-int64_t FloorMod(int64_t a, int64_t m) {
-  const int64_t r = a % m;
-  return r < 0 ? r + m : r;
-}
-
-}  // namespace
 
 int64_t MaxKeyRows(const SparseAttentionDims& d, bool has_entries, bool has_indices) {
   int64_t n = d.window;

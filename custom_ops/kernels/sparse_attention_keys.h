@@ -15,6 +15,12 @@
 namespace dsv4 {
 namespace attn_keys {
 
+// Floor modulo (Python's %) for a positive modulus: the ring slot of a window position.
+inline int64_t FloorMod(int64_t a, int64_t m) {
+  const int64_t r = a % m;
+  return r < 0 ? r + m : r;
+}
+
 // Upper bound of CollectKeyRows' count for every query of a call: the window spans n_win positions, plus the
 // entries (at most min(k, N) with indices, else N).
 int64_t MaxKeyRows(const SparseAttentionDims& d, bool has_entries, bool has_indices);

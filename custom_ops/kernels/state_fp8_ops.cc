@@ -4,17 +4,13 @@
 #include <algorithm>
 #include <vector>
 
+#include "custom_ops/kernels/sparse_attention_keys.h"
 #include "custom_ops/kernels/state_fp8.h"
 #include "custom_ops/numerics/element.h"
 
 namespace dsv4 {
 namespace state_fp8 {
 namespace {
-
-int64_t FloorMod(int64_t a, int64_t m) {
-  const int64_t r = a % m;
-  return r < 0 ? r + m : r;
-}
 
 void RunAttend(const SparseAttentionKernels& k, const float* q, const float* kv, const float* window,
                const float* entries, const int64_t* indices, const float* sink, const float* inv_freq,
@@ -38,7 +34,7 @@ void AttendT(const SparseAttentionKernels& k, const T* q, const T* kv, const uin
   for (int64_t b = 0; b < B; ++b) {
     const int64_t p0 = start_pos[b];
     for (int64_t j = 0; j < n_win; ++j) {
-      const int64_t rp = p0 - 1 - FloorMod(p0 - 1 - j, n_win);
+      const int64_t rp = p0 - 1 - attn_keys::FloorMod(p0 - 1 - j, n_win);
       if (rp >= 0 && rp > p0 - n_win) {
         DecodeEntry(window + (b * n_win + j) * row_bytes, D, rope, win.data() + (b * n_win + j) * D);
       }
