@@ -111,6 +111,7 @@ bool TilesSupported(ActType act, const WeightView& w) {
 }
 
 size_t TileXBytesFn(ActType act, int64_t m, int64_t kw) { return TileXBytes(act, m, kw); }
+int64_t TileBlocksFn(ActType act, int64_t m) { return TileLayoutOf(act, m).blocks; }
 
 // Scratch: the decoded block, then (K chunked only) parked C tiles for every 32-token x 32-row block.
 constexpr int64_t kPieceCols = 256;  // columns of the decoded piece on the few-tokens path (TilesFew)
@@ -472,7 +473,7 @@ extern const LinearBlocks kLinearBlocks = {
 #else
     "amx",
 #endif
-    RowsSupported, RowBytes,    PrepareRows, RowsScratch,  Rows,  TilesSupported, TileXBytesFn,
+    RowsSupported, RowBytes,    PrepareRows, RowsScratch,  Rows,  TilesSupported, TileXBytesFn, TileBlocksFn,
     Prepare,       TilesScratch, Tiles,      {kMinRowsF32, kMinRowsBf16}, kBlockRows,
 };
 

@@ -589,7 +589,7 @@ void Rows(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n
 
 extern const LinearBlocks kLinearBlocks = {
     "avx2",  RowsSupported, RowBytes, PrepareRows, RowsScratch, Rows, nullptr, nullptr, nullptr, nullptr,
-    nullptr, {0, 0},        0,
+    nullptr, nullptr, {0, 0},        0,
 };
 
 }  // namespace avx2

@@ -39,6 +39,7 @@
 #pragma GCC diagnostic pop
 #endif
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -922,9 +923,280 @@ void PrepareTileBlocks(ActType act, const void* x, int64_t ldx, const int64_t* i
   }
 }
 
+namespace {
+
+// ---------------------------------------------------------------------------------------------------------------
+// Panel path (this level's tiles slot: prefill, many activation rows), tokens in the lanes.
+//
+// The rows path keeps K in the lanes, so every FMA needs a weight vector and an activation vector, and at 4 x 4
+// register blocking with the operands in L2 it stays well under the FMA peak. Here the activations are prepared
+// K-major, 16 tokens per block, and weights are broadcast:
+//   fp32 act     blocks of [Kp][16] fp32, the columns of each 32-column chunk in [even, odd] order; the weight rows
+//                decoded per kPanelRows x kPanelK block into fp32 scratch in the same order, exact (FP4 / bf16 come
+//                out in that order directly: the nibble split, the shift / mask widening; FP8 and fp32 rows are
+//                permuted into it). One FMA per (row, token block, column).
+//   bf16 act     the AMX tile layout of one part ([pair][16 tokens][2] bf16, PrepareTileBlocks); weight rows
+//                decoded to bf16 in column order (DecodeRowsBf16: rounded as linear.h specifies), so a 32-bit
+//                broadcast is a column pair and one VDPBF16PS covers two columns.
+//   microkernel  8 weight rows x 1-3 token blocks = up to 24 accumulators; per column (pair), up to three
+//                activation loads, eight weight broadcasts and 24 FMAs / dot products, operands from L1 / L2.
+// Each output is one fixed chain over the columns (kept in a per-task accumulator between column blocks), so
+// results do not depend on how tokens, rows or columns are blocked, nor on the thread split. Tokens past m are
+// zeros in the prepared blocks; their lanes are computed and dropped.
+
+constexpr int64_t kPanelRows = 64;   // weight rows decoded per block
+constexpr int64_t kPanelK = 512;     // columns decoded per block (64 x 512 fp32 = 128 KiB, in L2)
+constexpr int64_t kPanelLd = kPanelK + 16;  // decoded fp32 row stride (floats): rows 2 KiB apart would share L1 sets
+constexpr int64_t kPanelLdBf16 = kPanelK + 32;  // decoded bf16 row stride (elements)
+constexpr int64_t kPanelGroup = 8;   // weight rows per microkernel call
+
+int64_t PanelBlocks(int64_t m) { return (m + 15) / 16; }
+
+// [even, odd] order of the 32 fp32 values lo (columns 0..15), hi (16..31).
+void EvenOdd(__m512 lo, __m512 hi, __m512* even, __m512* odd) {
+  *even = _mm512_permutex2var_ps(lo, _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30), hi);
+  *odd = _mm512_permutex2var_ps(lo, _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31), hi);
+}
+
+// 32 bf16 words -> their fp32 values, [even, odd].
+void WidenEvenOdd(__m512i v, float* dst) {
+  _mm512_storeu_ps(dst, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+  _mm512_storeu_ps(dst + 16, _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)))));
+}
+
+// fp32 activations: weight rows [n0, n0 + rows) x columns [k0, k0 + kc) (multiples of 32) -> their exact fp32
+// values in [even, odd] order, rows of dst kPanelLd floats apart; rows past w.rows and columns past w.cols are zeros.
+void DecodePanelRows(const WeightView& w, int64_t n0, int64_t rows, int64_t k0, int64_t kc, float* dst) {
+  // (Fp8Rows keeps a reference to its view: a named one, never a temporary)
+  const WeightView fp8_view = w.format == WeightFormat::kFp8E4M3 ? w : WeightView{WeightFormat::kFp8E4M3, nullptr,
+                                                                                     0, 0, ScaleFormat::kNone,
+                                                                                     nullptr, 32};
+  Fp8Rows fp8(fp8_view, n0, k0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = n0 + r;
+    float* out = dst + r * kPanelLd;
+    if (row >= w.rows) {
+      std::memset(out, 0, static_cast<size_t>(kc) * sizeof(float));
+      continue;
+    }
+    switch (w.format) {
+      case WeightFormat::kFp4E2M1: {  // whole 32-column blocks
+        const uint8_t* src = static_cast<const uint8_t*>(w.data) + row * (w.cols / 2) + k0 / 2;
+        const uint8_t* scale = static_cast<const uint8_t*>(w.scale) + row * (w.cols / kFp4Block) + k0 / kFp4Block;
+        const int64_t blocks = std::min(kc, std::max<int64_t>(0, w.cols - k0)) / 32;
+        for (int64_t b = 0; b < blocks; ++b) {
+          if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(src + b * 16) + kPrefetchBytes, _MM_HINT_T0);
+          const __m512 lut = _mm512_castsi512_ps(_mm512_loadu_si512(kFp4F32Tables.bits[scale[b]]));
+          const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + b * 16)));
+          _mm512_storeu_ps(out + b * 32, _mm512_permutexvar_ps(d, lut));  // VPERMPS reads the low nibble
+          _mm512_storeu_ps(out + b * 32 + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), lut));
+        }
+        std::memset(out + blocks * 32, 0, static_cast<size_t>(kc - blocks * 32) * sizeof(float));
+        break;
+      }
+      case WeightFormat::kBf16: {
+        const uint16_t* src = static_cast<const uint16_t*>(w.data) + row * w.cols;
+        for (int64_t c = 0; c < kc; c += 32) {
+          const int64_t k = k0 + c, valid = w.cols - k;
+          _mm_prefetch(reinterpret_cast<const char*>(src + k) + kPrefetchBytes, _MM_HINT_T0);
+          WidenEvenOdd(valid >= 32 ? _mm512_loadu_si512(src + k)
+                                   : _mm512_maskz_loadu_epi16(Mask32(valid > 0 ? valid : 0), src + k),
+                       out + c);
+        }
+        break;
+      }
+      case WeightFormat::kFp8E4M3:
+        ForFp8Row(fp8, row, k0, kc, [&](int64_t c, __m512 lo, __m512 hi) {
+          __m512 even, odd;
+          EvenOdd(lo, hi, &even, &odd);
+          _mm512_storeu_ps(out + c, even);
+          _mm512_storeu_ps(out + c + 16, odd);
+        });
+        fp8.Next();
+        break;
+      case WeightFormat::kF32: {
+        const float* src = static_cast<const float*>(w.data) + row * w.cols;
+        for (int64_t c = 0; c < kc; c += 32) {
+          const int64_t k = k0 + c, valid = w.cols - k;
+          const __m512 lo = _mm512_maskz_loadu_ps(Mask16(valid > 0 ? valid : 0), src + k);
+          const __m512 hi = _mm512_maskz_loadu_ps(Mask16(valid > 16 ? valid - 16 : 0), src + k + 16);
+          __m512 even, odd;
+          EvenOdd(lo, hi, &even, &odd);
+          _mm512_storeu_ps(out + c, even);
+          _mm512_storeu_ps(out + c + 16, odd);
+        }
+        break;
+      }
+    }
+  }
+}
+
+// fp32 activations: c[r][16 j ..] (+)= sum over k < kc of w[r][k] * x_j[k] for 8 weight rows (kPanelLd floats
+// apart) and NB token blocks (x_j = x + j * xs, [kc][16] fp32); c rows are ldc floats apart.
+template <int NB>
+void PanelKernelF32(const float* w, const float* x, int64_t xs, int64_t kc, float* c, int64_t ldc, bool first) {
+  __m512 acc[kPanelGroup][NB];
+  for (int r = 0; r < kPanelGroup; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + j * 16);
+  for (int64_t k = 0; k < kc; ++k) {
+    __m512 xv[NB];
+    for (int j = 0; j < NB; ++j) xv[j] = _mm512_loadu_ps(x + j * xs + k * 16);
+    for (int r = 0; r < kPanelGroup; ++r) {
+      const __m512 b = _mm512_set1_ps(w[r * kPanelLd + k]);
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_fmadd_ps(b, xv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < kPanelGroup; ++r)
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(c + r * ldc + j * 16, acc[r][j]);
+}
+
+// bf16 activations: the same with column pairs: w rows (kPanelLdBf16 elements apart) are bf16 in column order, so
+// one 32-bit broadcast is a (w[2p], w[2p + 1]) pair; x_j = x + j * xs is the tile layout of one 16-token block
+// ([pair][16 tokens][2]); kc / 2 VDPBF16PS steps.
+template <int NB>
+void PanelKernelBf16(const uint16_t* w, const uint16_t* x, int64_t xs, int64_t kc, float* c, int64_t ldc,
+                     bool first) {
+  __m512 acc[kPanelGroup][NB];
+  for (int r = 0; r < kPanelGroup; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + j * 16);
+  for (int64_t q = 0; q < kc / 2; ++q) {
+    __m512bh xv[NB];
+    for (int j = 0; j < NB; ++j) xv[j] = AsBh(_mm512_loadu_si512(x + j * xs + q * 32));
+    for (int r = 0; r < kPanelGroup; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, w + r * kPanelLdBf16 + 2 * q, sizeof pair);
+      const __m512bh b = AsBh(_mm512_set1_epi32(static_cast<int>(pair)));
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], b, xv[j]);
+    }
+  }
+  for (int r = 0; r < kPanelGroup; ++r)
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(c + r * ldc + j * 16, acc[r][j]);
+}
+
+bool PanelsSupported(ActType act, const WeightView& w) { return RowsSupported(act, w); }
+
+// fp32: PanelBlocks(m) blocks of [Kp][16] fp32; bf16: the tile layout (TileXBytes, one part).
+size_t PanelXBytes(ActType act, int64_t m, int64_t kw) {
+  if (act == ActType::kBf16) return TileXBytes(act, m, kw);
+  return static_cast<size_t>(PanelBlocks(m) * Pad32(kw) * 16) * sizeof(float);
+}
+
+int64_t PanelBlocksFn(ActType, int64_t m) { return PanelBlocks(m); }
+
+void PreparePanels(ActType act, const void* x, int64_t ldx, const int64_t* index, int64_t m, int64_t kw,
+                   int64_t block_begin, int64_t block_end, void* dst) {
+  if (act == ActType::kBf16) {  // TileLayoutOf(kBf16, m) has the same 16-token blocks
+    PrepareTileBlocks(act, x, ldx, index, m, kw, block_begin, block_end, dst);
+    return;
+  }
+  const int64_t kp = Pad32(kw);
+  for (int64_t b = block_begin; b < block_end; ++b) {
+    const float* row[16];
+    int rows = 0;
+    for (; rows < 16 && b * 16 + rows < m; ++rows) {
+      const int64_t t = b * 16 + rows;
+      row[rows] = static_cast<const float*>(x) + (index != nullptr ? index[t] : t) * ldx;
+    }
+    float* out = static_cast<float*>(dst) + b * kp * 16;
+    for (int64_t k = 0; k < kp; k += 32) {
+      const int64_t valid = kw - k;
+      __m512i even[16], odd[16];  // token i's [even, odd] columns of this chunk; transposed below
+      for (int i = 0; i < 16; ++i) {
+        if (i >= rows) {
+          even[i] = odd[i] = _mm512_setzero_si512();
+          continue;
+        }
+        const __m512 lo = _mm512_maskz_loadu_ps(Mask16(valid), row[i] + k);
+        const __m512 hi = _mm512_maskz_loadu_ps(Mask16(valid > 16 ? valid - 16 : 0), row[i] + k + 16);
+        __m512 e, o;
+        EvenOdd(lo, hi, &e, &o);
+        even[i] = _mm512_castps_si512(e);
+        odd[i] = _mm512_castps_si512(o);
+      }
+      Transpose16(even);
+      Transpose16(odd);
+      for (int q = 0; q < 16; ++q) {
+        _mm512_storeu_si512(out + (k + q) * 16, even[q]);
+        _mm512_storeu_si512(out + (k + 16 + q) * 16, odd[q]);
+      }
+    }
+  }
+}
+
+// Decoded weight block (the fp32 one is the larger) + accumulators for kPanelRows rows x every token.
+size_t PanelScratch(ActType, const WeightView&, int64_t m) {
+  return static_cast<size_t>(kPanelRows * kPanelLd + kPanelRows * PanelBlocks(m) * 16) * sizeof(float);
+}
+
+void Panels(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n0, int64_t n1, const MatOut& out,
+            void* scratch) {
+  const bool bf16 = act == ActType::kBf16;
+  const int64_t kp = Pad32(w.cols), blocks = PanelBlocks(m), ldc = blocks * 16;
+  const int64_t xs = kp * 16;  // elements per token block, either layout
+  float* wdec = static_cast<float*>(scratch);
+  uint16_t* wdec16 = static_cast<uint16_t*>(scratch);
+  float* acc = wdec + kPanelRows * kPanelLd;
+  // Token panels of up to three blocks, as even as possible (4 blocks -> 2 + 2, not 3 + 1).
+  const int64_t panels = (blocks + 2) / 3;
+  for (int64_t b0 = n0; b0 < n1; b0 += kPanelRows) {
+    const int64_t rows = std::min(kPanelRows, n1 - b0);
+    const int64_t grouped = (rows + kPanelGroup - 1) / kPanelGroup * kPanelGroup;  // zero rows pad the last group
+    for (int64_t k0 = 0; k0 < kp; k0 += kPanelK) {
+      const int64_t kc = std::min(kPanelK, kp - k0);
+      if (bf16) {
+        DecodeRowsBf16(w, b0, rows, k0, kc, wdec16, kPanelLdBf16);  // rounded to bf16, as linear.h specifies
+        for (int64_t r = rows; r < grouped; ++r)
+          std::memset(wdec16 + r * kPanelLdBf16, 0, static_cast<size_t>(kc) * sizeof(uint16_t));
+      } else {
+        DecodePanelRows(w, b0, rows, k0, kc, wdec);
+        for (int64_t r = rows; r < grouped; ++r)
+          std::memset(wdec + r * kPanelLd, 0, static_cast<size_t>(kc) * sizeof(float));
+      }
+      for (int64_t p = 0; p < panels; ++p) {
+        const int64_t q0 = blocks * p / panels, nb = blocks * (p + 1) / panels - q0;
+        for (int64_t r = 0; r < grouped; r += kPanelGroup) {
+          float* c = acc + r * ldc + q0 * 16;
+          if (bf16) {
+            const uint16_t* wr = wdec16 + r * kPanelLdBf16;
+            const uint16_t* xb = static_cast<const uint16_t*>(xp) + q0 * xs + k0 * 16;
+            if (nb == 1) PanelKernelBf16<1>(wr, xb, xs, kc, c, ldc, k0 == 0);
+            else if (nb == 2) PanelKernelBf16<2>(wr, xb, xs, kc, c, ldc, k0 == 0);
+            else PanelKernelBf16<3>(wr, xb, xs, kc, c, ldc, k0 == 0);
+          } else {
+            const float* wr = wdec + r * kPanelLd;
+            const float* xb = static_cast<const float*>(xp) + q0 * xs + k0 * 16;
+            if (nb == 1) PanelKernelF32<1>(wr, xb, xs, kc, c, ldc, k0 == 0);
+            else if (nb == 2) PanelKernelF32<2>(wr, xb, xs, kc, c, ldc, k0 == 0);
+            else PanelKernelF32<3>(wr, xb, xs, kc, c, ldc, k0 == 0);
+          }
+        }
+      }
+    }
+    for (int64_t t = 0; t < m; ++t) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t at = t * out.ld + (b0 - n0) + r;
+        const float v = acc[r * ldc + t];
+        if (out.bf16) {
+          static_cast<uint16_t*>(out.data)[at] = F32ToBf16(v);
+        } else {
+          static_cast<float*>(out.data)[at] = v;
+        }
+      }
+    }
+  }
+}
+
+// Rows -> panels crossover, from single-core GFLOP/s of 512 x 4096 FP4 and bf16 weights (in L2 / L3) at M = 5 ... 96
+// on an AVX512-BF16 CPU without AMX: fp32 activations, panels 0.6x the rows path at M = 8, even at 12, 1.2x at 16
+// (one full token block), 1.6x from 32; bf16 activations, rows 1.05x ahead at 16, panels 1.2x at 24 and 1.6x
+// from 32 (a single VDPBF16PS block wastes more of each broadcast).
+constexpr int64_t kPanelMinRowsF32 = 16, kPanelMinRowsBf16 = 24;
+
+}  // namespace
+
 extern const LinearBlocks kLinearBlocks = {
-    "avx512", RowsSupported, RowBytes, PrepareRows, RowsScratch, Rows, nullptr, nullptr, nullptr, nullptr,
-    nullptr,  {0, 0},        0,
+    "avx512",      RowsSupported, RowBytes,     PrepareRows, RowsScratch, Rows, PanelsSupported, PanelXBytes,
+    PanelBlocksFn, PreparePanels, PanelScratch, Panels,      {kPanelMinRowsF32, kPanelMinRowsBf16}, kPanelRows,
 };
 
 }  // namespace avx512

@@ -82,9 +82,10 @@ struct LinearBlocks {
   bool (*tiles_supported)(ActType act, const WeightView& w);
   // Bytes of the prepared activations for m rows of kw columns.
   size_t (*tile_x_bytes)(ActType act, int64_t m, int64_t kw);
-  // Prepares the 16-row tile blocks [block_begin, block_end) of TileLayoutOf(act, m) (index / ldx as in
-  // prepare_rows) into dst (the whole prepared buffer); blocks are independent, so the driver splits them over
-  // threads.
+  // Number of independent 16-row blocks the prepared activations of m rows consist of.
+  int64_t (*tile_blocks)(ActType act, int64_t m);
+  // Prepares blocks [block_begin, block_end) of tile_blocks(act, m) (index / ldx as in prepare_rows) into dst (the
+  // whole prepared buffer); blocks are independent, so the driver splits them over threads.
   void (*prepare_tiles)(ActType act, const void* x, int64_t ldx, const int64_t* index, int64_t m, int64_t kw,
                         int64_t block_begin, int64_t block_end, void* dst);
   size_t (*tiles_scratch)(ActType act, const WeightView& w, int64_t m);

@@ -140,7 +140,7 @@ void Rows(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n
 
 extern const LinearBlocks kRowBlocks = {
     "portable", RowsSupported, RowBytes, PrepareRows, RowsScratch, Rows, nullptr, nullptr, nullptr, nullptr,
-    nullptr,    {0, 0},        0,
+    nullptr, nullptr,    {0, 0},        0,
 };
 
 void DecodeRowsBf16(const WeightView& w, int64_t n0, int64_t rows, int64_t k0, int64_t kc, uint16_t* dst,
@@ -243,7 +243,7 @@ void RunLinear(const LinearBlocks& b, ActType act, const void* x, int64_t m, con
   // Activations, per group (columns [g * kw, (g + 1) * kw) of each row).
   const uint8_t* xb = static_cast<const uint8_t*>(x);
   if (tiles) {
-    const int64_t blocks = TileLayoutOf(act, m).blocks;
+    const int64_t blocks = b.tile_blocks(act, m);
     const int64_t chunk = std::max<int64_t>(1, (blocks * groups + TargetTasks(par) - 1) / TargetTasks(par));
     const int64_t items = (blocks + chunk - 1) / chunk;
     par.For(static_cast<size_t>(items * groups), [&](size_t i) {

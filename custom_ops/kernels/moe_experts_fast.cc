@@ -87,7 +87,7 @@ void PrepareAll(const LinearBlocks& b, ActType act, const WeightView& w, const s
   };
   std::vector<Item> items;
   const auto blocks_of = [&](const ExpertJob& j) {
-    return j.tiles ? TileLayoutOf(act, j.count).blocks : (j.count + 15) / 16;
+    return j.tiles ? b.tile_blocks(act, j.count) : (j.count + 15) / 16;
   };
   int64_t total_blocks = 0;
   for (const ExpertJob& j : jobs) total_blocks += blocks_of(j);

@@ -3,8 +3,9 @@
 // M in {1, 2, 3, 4, 5, 8, 16, 17, 69}, odd N / Kw (tails of the 16/32-column steps and of the 4-row and 64-row
 // blocks), groups, and FP8 scale blocks of 32 and 128 (and 16, which the levels hand to the reference).
 //
-// Variants: the avx2 / avx512 / amx tables as dispatched (AMX tiles above the level's crossover), the AMX tiles for
-// every M on real hardware (amx_tiles), and the same tiles on the portable tile emulation (amx_emu, any CPU).
+// Variants: the avx2 / avx512 / amx tables as dispatched (AVX512 panels / AMX tiles above the level's crossover),
+// the AVX512 panels for every M (avx512_panels), the AMX tiles for every M on real hardware (amx_tiles), and the
+// same tiles on the portable tile emulation (amx_emu, any CPU).
 //
 // Tolerances. Every variant decodes the weights to the reference's values and differs only in summation order
 // (and, on the bf16 paths, in flushing denormal inputs, which these data avoid), so for fp32 outputs
@@ -149,6 +150,11 @@ std::vector<Variant> Variants() {
                                               void* y, const dsv4::Parallel& p) { RunTable(dsv4::avx2::kLinear, a, x, m, w, g, y, p); }});
   v.push_back({"avx512", IsaLevel::kAvx512, 1, [](ActType a, const void* x, int64_t m, const WeightView& w, int64_t g,
                                                   void* y, const dsv4::Parallel& p) { RunTable(dsv4::avx512::kLinear, a, x, m, w, g, y, p); }});
+  v.push_back({"avx512_panels", IsaLevel::kAvx512, 1, [](ActType a, const void* x, int64_t m, const WeightView& w,
+                                                         int64_t g, void* y, const dsv4::Parallel& p) {
+                 static const dsv4::LinearBlocks b = AllTiles(dsv4::avx512::kLinearBlocks);
+                 dsv4::RunLinear(b, a, x, m, w, g, y, p);
+               }});
   v.push_back({"amx", IsaLevel::kAmx, 3, [](ActType a, const void* x, int64_t m, const WeightView& w, int64_t g,
                                             void* y, const dsv4::Parallel& p) { RunTable(dsv4::amx::kLinear, a, x, m, w, g, y, p); }});
   v.push_back({"amx_tiles", IsaLevel::kAmx, 3, [](ActType a, const void* x, int64_t m, const WeightView& w, int64_t g,
