@@ -949,6 +949,7 @@ constexpr int64_t kPanelK = 512;     // columns decoded per block (64 x 512 fp32
 constexpr int64_t kPanelLd = kPanelK + 16;  // decoded fp32 row stride (floats): rows 2 KiB apart would share L1 sets
 constexpr int64_t kPanelLdBf16 = kPanelK + 32;  // decoded bf16 row stride (elements)
 constexpr int64_t kPanelGroup = 8;   // weight rows per microkernel call
+constexpr int64_t kPanelXBytes = 384 << 10;  // activation columns per pass (fp32: 12 token blocks, bf16: 24)
 
 int64_t PanelBlocks(int64_t m) { return (m + 15) / 16; }
 
@@ -1073,6 +1074,26 @@ void PanelKernelBf16(const uint16_t* w, const uint16_t* x, int64_t xs, int64_t k
     for (int j = 0; j < NB; ++j) _mm512_storeu_ps(c + r * ldc + j * 16, acc[r][j]);
 }
 
+// Prefetches (into L2) the source bytes of weight rows [n0, n0 + rows) x columns [k0, k0 + kc), the next block
+// the panels decode. A block's rows are short pieces of long rows (1 KiB of a bf16 row for 512 columns), which
+// neither the decode loops' run-ahead nor the hardware prefetchers cover: issued one block ahead, the loads
+// overlap the current block's arithmetic instead of stalling the decode at DRAM latency.
+void PrefetchPanelRows(const WeightView& w, int64_t n0, int64_t rows, int64_t k0, int64_t kc) {
+  const int64_t end = std::min(w.cols, k0 + kc);
+  if (end <= k0) return;
+  // bytes per column, as a shift of a doubled count (FP4: half a byte)
+  const int64_t twice = w.format == WeightFormat::kF32 ? 8 : w.format == WeightFormat::kBf16 ? 4
+                        : w.format == WeightFormat::kFp8E4M3 ? 2 : 1;
+  const int64_t row_bytes = w.cols * twice / 2, lo = k0 * twice / 2, hi = end * twice / 2;
+  for (int64_t r = n0; r < std::min(w.rows, n0 + rows); ++r) {  // rows <= 0: nothing
+    const char* row = static_cast<const char*>(w.data) + r * row_bytes;
+    for (int64_t b = lo & ~int64_t{63}; b < hi; b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
+    if (w.format == WeightFormat::kFp4E2M1) {
+      _mm_prefetch(static_cast<const char*>(w.scale) + r * (w.cols / kFp4Block) + k0 / kFp4Block, _MM_HINT_T1);
+    }
+  }
+}
+
 bool PanelsSupported(ActType act, const WeightView& w) { return RowsSupported(act, w); }
 
 // fp32: PanelBlocks(m) blocks of [Kp][16] fp32; bf16: the tile layout (TileXBytes, one part).
@@ -1136,50 +1157,72 @@ void Panels(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t
   float* wdec = static_cast<float*>(scratch);
   uint16_t* wdec16 = static_cast<uint16_t*>(scratch);
   float* acc = wdec + kPanelRows * kPanelLd;
-  // Token panels of up to three blocks, as even as possible (4 blocks -> 2 + 2, not 3 + 1).
-  const int64_t panels = (blocks + 2) / 3;
-  for (int64_t b0 = n0; b0 < n1; b0 += kPanelRows) {
-    const int64_t rows = std::min(kPanelRows, n1 - b0);
-    const int64_t grouped = (rows + kPanelGroup - 1) / kPanelGroup * kPanelGroup;  // zero rows pad the last group
-    for (int64_t k0 = 0; k0 < kp; k0 += kPanelK) {
-      const int64_t kc = std::min(kPanelK, kp - k0);
-      if (bf16) {
-        DecodeRowsBf16(w, b0, rows, k0, kc, wdec16, kPanelLdBf16);  // rounded to bf16, as linear.h specifies
-        for (int64_t r = rows; r < grouped; ++r)
-          std::memset(wdec16 + r * kPanelLdBf16, 0, static_cast<size_t>(kc) * sizeof(uint16_t));
-      } else {
-        DecodePanelRows(w, b0, rows, k0, kc, wdec);
-        for (int64_t r = rows; r < grouped; ++r)
-          std::memset(wdec + r * kPanelLd, 0, static_cast<size_t>(kc) * sizeof(float));
-      }
-      for (int64_t p = 0; p < panels; ++p) {
-        const int64_t q0 = blocks * p / panels, nb = blocks * (p + 1) / panels - q0;
-        for (int64_t r = 0; r < grouped; r += kPanelGroup) {
-          float* c = acc + r * ldc + q0 * 16;
-          if (bf16) {
-            const uint16_t* wr = wdec16 + r * kPanelLdBf16;
-            const uint16_t* xb = static_cast<const uint16_t*>(xp) + q0 * xs + k0 * 16;
-            if (nb == 1) PanelKernelBf16<1>(wr, xb, xs, kc, c, ldc, k0 == 0);
-            else if (nb == 2) PanelKernelBf16<2>(wr, xb, xs, kc, c, ldc, k0 == 0);
-            else PanelKernelBf16<3>(wr, xb, xs, kc, c, ldc, k0 == 0);
-          } else {
-            const float* wr = wdec + r * kPanelLd;
-            const float* xb = static_cast<const float*>(xp) + q0 * xs + k0 * 16;
-            if (nb == 1) PanelKernelF32<1>(wr, xb, xs, kc, c, ldc, k0 == 0);
-            else if (nb == 2) PanelKernelF32<2>(wr, xb, xs, kc, c, ldc, k0 == 0);
-            else PanelKernelF32<3>(wr, xb, xs, kc, c, ldc, k0 == 0);
+  // Token blocks per pass over the weight rows: their kPanelK columns of activations (kPanelXBytes) stay in L2
+  // while every 64-row weight block meets them; more tokens take more passes, each decoding the weights again.
+  const int64_t pass_blocks = kPanelXBytes / (kPanelK * 16 * (bf16 ? 2 : 4));
+  for (int64_t s0 = 0; s0 < blocks; s0 += pass_blocks) {
+    const int64_t s1 = std::min(blocks, s0 + pass_blocks), sb = s1 - s0;
+    // Token panels of up to three blocks, as even as possible (4 blocks -> 2 + 2, not 3 + 1).
+    const int64_t panels = (sb + 2) / 3;
+    for (int64_t b0 = n0; b0 < n1; b0 += kPanelRows) {
+      const int64_t rows = std::min(kPanelRows, n1 - b0);
+      const int64_t grouped = (rows + kPanelGroup - 1) / kPanelGroup * kPanelGroup;  // zero rows pad the last group
+      if (b0 == n0) PrefetchPanelRows(w, b0, rows, 0, kPanelK);
+      for (int64_t k0 = 0; k0 < kp; k0 += kPanelK) {
+        const int64_t kc = std::min(kPanelK, kp - k0);
+        // The next block (none past the last: the next pass starts with a demand-loaded block), prefetched a few
+        // rows per microkernel call below, so that the requests trickle out instead of overflowing the miss queue.
+        int64_t next_b = -1, next_k = 0;
+        if (k0 + kPanelK < kp) {
+          next_b = b0;
+          next_k = k0 + kPanelK;
+        } else if (b0 + kPanelRows < n1) {
+          next_b = b0 + kPanelRows;
+        }
+        if (bf16) {
+          DecodeRowsBf16(w, b0, rows, k0, kc, wdec16, kPanelLdBf16);  // rounded to bf16, as linear.h specifies
+          for (int64_t r = rows; r < grouped; ++r)
+            std::memset(wdec16 + r * kPanelLdBf16, 0, static_cast<size_t>(kc) * sizeof(uint16_t));
+        } else {
+          DecodePanelRows(w, b0, rows, k0, kc, wdec);
+          for (int64_t r = rows; r < grouped; ++r)
+            std::memset(wdec + r * kPanelLd, 0, static_cast<size_t>(kc) * sizeof(float));
+        }
+        const int64_t calls = panels * (grouped / kPanelGroup);
+        int64_t call = 0;
+        for (int64_t p = 0; p < panels; ++p) {
+          const int64_t q0 = s0 + sb * p / panels, nb = s0 + sb * (p + 1) / panels - q0;
+          for (int64_t r = 0; r < grouped; r += kPanelGroup, ++call) {
+            if (next_b >= 0) {
+              const int64_t p0 = kPanelRows * call / calls, p1 = kPanelRows * (call + 1) / calls;
+              PrefetchPanelRows(w, next_b + p0, std::min(p1, n1 - next_b) - p0, next_k, kPanelK);
+            }
+            float* c = acc + r * ldc + q0 * 16;
+            if (bf16) {
+              const uint16_t* wr = wdec16 + r * kPanelLdBf16;
+              const uint16_t* xb = static_cast<const uint16_t*>(xp) + q0 * xs + k0 * 16;
+              if (nb == 1) PanelKernelBf16<1>(wr, xb, xs, kc, c, ldc, k0 == 0);
+              else if (nb == 2) PanelKernelBf16<2>(wr, xb, xs, kc, c, ldc, k0 == 0);
+              else PanelKernelBf16<3>(wr, xb, xs, kc, c, ldc, k0 == 0);
+            } else {
+              const float* wr = wdec + r * kPanelLd;
+              const float* xb = static_cast<const float*>(xp) + q0 * xs + k0 * 16;
+              if (nb == 1) PanelKernelF32<1>(wr, xb, xs, kc, c, ldc, k0 == 0);
+              else if (nb == 2) PanelKernelF32<2>(wr, xb, xs, kc, c, ldc, k0 == 0);
+              else PanelKernelF32<3>(wr, xb, xs, kc, c, ldc, k0 == 0);
+            }
           }
         }
       }
-    }
-    for (int64_t t = 0; t < m; ++t) {
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t at = t * out.ld + (b0 - n0) + r;
-        const float v = acc[r * ldc + t];
-        if (out.bf16) {
-          static_cast<uint16_t*>(out.data)[at] = F32ToBf16(v);
-        } else {
-          static_cast<float*>(out.data)[at] = v;
+      for (int64_t t = s0 * 16; t < std::min(m, s1 * 16); ++t) {
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t at = t * out.ld + (b0 - n0) + r;
+          const float v = acc[r * ldc + t];
+          if (out.bf16) {
+            static_cast<uint16_t*>(out.data)[at] = F32ToBf16(v);
+          } else {
+            static_cast<float*>(out.data)[at] = v;
+          }
         }
       }
     }

@@ -18,6 +18,9 @@
 //          registers inside the loop for up to four activation rows (FP8 moves half and FP4 a quarter of the
 //          bytes of bf16 from memory, and nothing is written back), and decoded into a small scratch once per
 //          block of weight rows for more.
+//   panels (AVX512, in the tiles slot) the activations are prepared K-major in 16-token blocks and the weight rows
+//          decoded per 64 x 512 block and broadcast, so each FMA (fp32 activations) or VDPBF16PS (bf16, column
+//          pairs) has 16 tokens in its lanes; see linear_avx512.cc.
 //   tiles  (AMX) the weight is the A operand of TDPBF16PS: a 16 x 32 bf16 A tile is 16 weight rows x 32 columns,
 //          i.e. [N, Kw] read with the row stride: in place for bf16 weights, from a decoded bf16 block for the
 //          rest (128 rows x up to 4096 columns decoded once and reused for every 32 activation rows; pieces of
@@ -78,7 +81,7 @@ struct LinearBlocks {
   void (*rows)(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n0, int64_t n1,
                const MatOut& out, void* scratch);
 
-  // --- tiles path (null where the level has none) ---
+  // --- tiles path: AMX tiles, or the AVX512 panels (null where the level has none) ---
   bool (*tiles_supported)(ActType act, const WeightView& w);
   // Bytes of the prepared activations for m rows of kw columns.
   size_t (*tile_x_bytes)(ActType act, int64_t m, int64_t kw);

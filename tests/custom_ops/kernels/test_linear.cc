@@ -419,6 +419,30 @@ void TestLayoutsMatchPortable() {
 }
 #endif
 
+#if DSV4_X86_VARIANTS
+// Many tokens on the AVX512 panels: more than one pass over the weight rows (fp32: 12 token blocks per pass, bf16:
+// 24), several 512-column blocks with a tail, a partial last group of rows; thread count must not matter.
+void TestPanelPasses() {
+  dsv4_test::RequireIsa(IsaLevel::kAvx512);
+  Rng rng(7);
+  const dsv4_test::ThreadParallel threads(3);
+  for (ActType act : {ActType::kF32, ActType::kBf16}) {
+    for (Fmt fmt : {Fmt::kBf16, Fmt::kFp8E8m0, Fmt::kFp4}) {
+      for (int64_t m : {int64_t{200}, int64_t{401}}) {
+        Problem p = MakeProblem(rng, act, fmt, m, 75, fmt == Fmt::kFp4 ? 1088 : 1100, 1, 32);
+        const std::vector<float> want = Reference(p);
+        const auto run = [](ActType a, const void* x, int64_t mm, const WeightView& w, int64_t g, void* y,
+                            const dsv4::Parallel& par) { RunTable(dsv4::avx512::kLinear, a, x, mm, w, g, y, par); };
+        const std::vector<float> got = Run(run, p, threads.Get());
+        ExpectMatches("avx512 panels " + Describe(p, fmt), p, got, want, 1.0);
+        dsv4_test::ExpectIdentical("avx512 panels serial vs threads " + Describe(p, fmt),
+                                   Run(run, p, dsv4::SerialParallel()), got);
+      }
+    }
+  }
+}
+#endif
+
 // SplitBf16x3 reconstructs x exactly for |x| >= 2^-100 (below that the last parts are flushed denormals), keeps
 // non-finite x in the first part.
 KT_TEST(linear_split_bf16x3) {
@@ -451,6 +475,9 @@ const bool kRegistered = [] {
 #if DSV4_X86_VARIANTS && DSV4_HAVE_AMX_EMULATION
   kt::Register("linear_amx_matches_emulation", TestAmxMatchesEmulation);
   kt::Register("linear_avx512_layouts_match_portable", TestLayoutsMatchPortable);
+#endif
+#if DSV4_X86_VARIANTS
+  kt::Register("linear_avx512_panel_passes", TestPanelPasses);
 #endif
   return true;
 }();
