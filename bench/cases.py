@@ -209,9 +209,10 @@ def _route_random(M, k, E, seed):
     return np.stack([rng.choice(E, k, replace=False) for _ in range(M)]).astype(np.int64)
 
 
-def moe_cases(Ms, phase, *, smoke=False, quick=False) -> list:
+def moe_cases(Ms, phase, *, smoke=False, quick=False, act="float32") -> list:
     out = []
     rng = np.random.default_rng(2)
+    tname = "bfloat16" if act == "bfloat16" else "float"
     # key, label, model dims, E, format, quick, smoke
     variants = [
         ("routed.flash.fp4", "routed experts Flash FP4 (64 experts, top-6)", FLASH, 64, "fp4", True, False),
@@ -227,9 +228,11 @@ def moe_cases(Ms, phase, *, smoke=False, quick=False) -> list:
         op = {"fp4": "MoeExpertsFp4", "fp8": "MoeExpertsFp8", "bf16": "MoeExperts", "f32": "MoeExperts"}[fmt]
         for M in Ms:
             x = _rand(rng, (M, d))
+            if act == "bfloat16":
+                x = (x.view(np.uint32) >> 16).astype(np.uint16)
             idx = _route_cycle(M, k, E, 0) if phase == "decode" else _route_random(M, k, E, M)
             w = np.full((M, k), 1.5 / k, np.float32)
-            inputs = [_act("x", x), _act("weights", w), _act("indices", idx, "int64")]
+            inputs = [_act("x", x, tname), _act("weights", w), _act("indices", idx, "int64")]
             wi = _weight_inputs(fmt, I, d, ("w1", "s1"), (E,))
             w2 = _weight_inputs(fmt, d, I, ("w2", "s2"), (E,))
             w3 = _weight_inputs(fmt, I, d, ("w3", "s3"), (E,))
@@ -240,13 +243,15 @@ def moe_cases(Ms, phase, *, smoke=False, quick=False) -> list:
             rotate = None
             if phase == "decode":
                 rotate = (lambda r, M=M, k=k, E=E: {"indices": _route_cycle(M, k, E, r)})
-            dense_inputs = [_act("x", x), _act("weights", w), _act("indices", idx, "int64"),
+            dense_inputs = [_act("x", x, tname), _act("weights", w), _act("indices", idx, "int64"),
                             Input("w1", "weight", (E, I, d), "float"), Input("w2", "weight", (E, d, I), "float"),
                             Input("w3", "weight", (E, I, d), "float")]
             out.append(KernelCase(
-                key=f"moe.{key}", group="MoE experts", op=op, families=("moe_experts",), label=label,
-                phase=phase, m=M, inputs=inputs, outputs=[("y", None, "float")], attrs={"swiglu_limit": 10.0},
-                flops=6.0 * M * k * I * d, bytes=wbytes + 2 * M * d * 4 + M * k * 12, cold_bytes=wbytes,
+                key=f"moe.{key}" + (".bf16act" if act == "bfloat16" else ""), group="MoE experts", op=op,
+                families=("moe_experts",), label=label + (" (bf16 activations)" if act == "bfloat16" else ""),
+                phase=phase, m=M, inputs=inputs, outputs=[("y", None, tname)], attrs={"swiglu_limit": 10.0},
+                flops=6.0 * M * k * I * d, bytes=wbytes + 2 * M * d * ACT_BYTES[act] + M * k * 12, cold_bytes=wbytes,
+                act_dtype=act, torch_dtypes=("bfloat16",) if act == "bfloat16" else ("float32", "bfloat16"),
                 shape={"M": M, "d": d, "I": I, "E": E, "k": k, "weight": fmt, "experts_touched": unique,
                        "tokens_per_expert": round(M * k / E, 2)},
                 single_node=True, rotate=rotate, torch_fn=_torch_moe, torch_inputs=dense_inputs,
@@ -256,7 +261,7 @@ def moe_cases(Ms, phase, *, smoke=False, quick=False) -> list:
                 note="routing walks through the experts so every call reads experts the previous calls did not"
                 if phase == "decode" else "uniform random routing"))
     # the shared expert (dense-MLP mode, FP8), node copies for rotation
-    if not smoke:
+    if not smoke and act == "float32":
         cfg = FLASH
         d, I = cfg["d"], cfg["I"]
         for M in Ms:
@@ -710,6 +715,8 @@ def all_cases(settings: dict, *, smoke: bool = False, quick: bool = False) -> li
         if not smoke and not quick:
             cases += [c for c in linear_cases(ms, phase, act="bfloat16") if c.key.startswith("linear.sq.bf16")]
         cases += moe_cases(ms if phase == "decode" else ms, phase, smoke=smoke, quick=quick)
+        if not smoke and not quick:
+            cases += [c for c in moe_cases(ms, phase, act="bfloat16") if c.key.startswith("moe.routed.flash.fp4")]
         cases += attention_cases(settings, phase, smoke=smoke, quick=quick)
         cases += indexer_cases(settings, phase, smoke=smoke, quick=quick)
         cases += compressor_cases(settings, phase, smoke=smoke, quick=quick)
