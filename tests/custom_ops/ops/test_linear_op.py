@@ -50,8 +50,9 @@ def check(y, ref, dtype):
     np.testing.assert_allclose(y, ref.float().numpy(), **tol("bfloat16" if dtype == "bfloat16" else "float32_reduction"))
 
 
-# lead dims, K, N: tails of 8/16/32/128, T = 0 and leading dims [B, S].
-DENSE_SHAPES = [((1,), 7, 5), ((2, 5), 129, 70), ((0,), 16, 8), ((17,), 300, 3)]
+# lead dims, K, N: tails of 8/16/32/128, T = 0 and leading dims [B, S]; 40 rows take the prefill paths (AVX512
+# panels / AMX tiles) for both activation types, over more than one 512-column block.
+DENSE_SHAPES = [((1,), 7, 5), ((2, 5), 129, 70), ((0,), 16, 8), ((17,), 300, 3), ((2, 20), 600, 67)]
 
 
 @pytest.mark.parametrize("lead,k,n", DENSE_SHAPES)
@@ -65,7 +66,8 @@ def test_linear_dense(isa, lead, k, n, dtype, fmt):
 
 
 # N, Kw not multiples of 128 (partial blocks on both axes), and a small block size.
-FP8_SHAPES = [((3,), 200, 130, 128), ((1,), 129, 1, 128), ((2, 3), 64, 257, 128), ((5,), 100, 72, 32)]
+FP8_SHAPES = [((3,), 200, 130, 128), ((1,), 129, 1, 128), ((2, 3), 64, 257, 128), ((5,), 100, 72, 32),
+              ((40,), 600, 70, 128)]
 
 
 @pytest.mark.parametrize("lead,k,n,block", FP8_SHAPES)
@@ -78,7 +80,8 @@ def test_linear_fp8(isa, lead, k, n, block, dtype, fmt):
     check(run_linear(fmt, x, wt, block=block, isa=isa), reference(xt, wt, 1, block), dtype)
 
 
-@pytest.mark.parametrize("lead,k,n", [((1,), 32, 5), ((17,), 64, 40), ((2, 3), 96, 129), ((0,), 32, 3), ((3,), 96, 7)])
+@pytest.mark.parametrize("lead,k,n", [((1,), 32, 5), ((17,), 64, 40), ((2, 3), 96, 129), ((0,), 32, 3), ((3,), 96, 7),
+                                      ((40,), 544, 33)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_linear_fp4(isa, lead, k, n, dtype):
     rng = np.random.default_rng(k * 13 + n)

@@ -62,7 +62,7 @@ def check(y, ref, dtype):
 
 
 # T, E, k, d, I (d, I multiples of 32 for FP4); the last expert is never routed to. T = 0: test_no_tokens.
-SHAPES = [(1, 4, 2, 64, 96), (17, 6, 2, 96, 64)]
+SHAPES = [(1, 4, 2, 64, 96), (17, 6, 2, 96, 64), (64, 3, 2, 96, 160)]  # the last: ~43 tokens per expert (prefill paths)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
