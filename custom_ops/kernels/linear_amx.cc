@@ -475,6 +475,11 @@ extern const LinearBlocks kLinearBlocks = {
 #endif
     RowsSupported, RowBytes,    PrepareRows, RowsScratch,  Rows,  TilesSupported, TileXBytesFn, TileBlocksFn,
     Prepare,       TilesScratch, Tiles,      {kMinRowsF32, kMinRowsBf16}, kBlockRows,
+#if defined(DSV4_AMX_EMULATION)
+    nullptr,       nullptr,  // portable build: the driver's scalar loops
+#else
+    avx512::MoeSwiGluRow, avx512::MoeAccumulateRow,
+#endif
 };
 
 }  // namespace DSV4_AMX_NS

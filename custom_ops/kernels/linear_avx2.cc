@@ -23,6 +23,7 @@
 #pragma GCC diagnostic pop
 #endif
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -585,11 +586,15 @@ void Rows(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n
   }
 }
 
+#include "custom_ops/kernels/simd_avx2.inc"
+
+#include "custom_ops/kernels/moe_act_simd.inc"
+
 }  // namespace
 
 extern const LinearBlocks kLinearBlocks = {
     "avx2",  RowsSupported, RowBytes, PrepareRows, RowsScratch, Rows, nullptr, nullptr, nullptr, nullptr,
-    nullptr, nullptr, {0, 0},        0,
+    nullptr, nullptr, {0, 0},        0, MoeSwiGlu, MoeAccumulate,
 };
 
 }  // namespace avx2

@@ -40,6 +40,7 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -1235,11 +1236,21 @@ void Panels(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t
 // from 32 (a single VDPBF16PS block wastes more of each broadcast).
 constexpr int64_t kPanelMinRowsF32 = 16, kPanelMinRowsBf16 = 24;
 
+#include "custom_ops/kernels/simd_avx512.inc"
+
+#include "custom_ops/kernels/moe_act_simd.inc"
+
 }  // namespace
+
+void MoeSwiGluRow(ActType act, float* g, const float* u, int64_t n, float limit, float scale, void* dst) {
+  MoeSwiGlu(act, g, u, n, limit, scale, dst);
+}
+void MoeAccumulateRow(ActType act, const float* src, int64_t n, float* dst) { MoeAccumulate(act, src, n, dst); }
 
 extern const LinearBlocks kLinearBlocks = {
     "avx512",      RowsSupported, RowBytes,     PrepareRows, RowsScratch, Rows, PanelsSupported, PanelXBytes,
     PanelBlocksFn, PreparePanels, PanelScratch, Panels,      {kPanelMinRowsF32, kPanelMinRowsBf16}, kPanelRows,
+    MoeSwiGluRow,  MoeAccumulateRow,
 };
 
 }  // namespace avx512

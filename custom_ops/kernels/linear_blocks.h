@@ -98,6 +98,13 @@ struct LinearBlocks {
   int64_t tile_min_rows[2];
   // Weight rows per tiles() block; tasks split N in multiples of it.
   int64_t tile_rows;
+
+  // --- MoE element-wise steps (null: the driver's scalar loops) ---
+  // dst[i] = round(SwiGlu(round(g[i]), round(u[i]), limit) * scale) for i < n, in the activation type (fp32, or
+  // bf16 bits), with round the activation type's rounding (moe_experts.h); g is overwritten.
+  void (*moe_swiglu)(ActType act, float* g, const float* u, int64_t n, float limit, float scale, void* dst);
+  // dst[i] += round(src[i]) for i < n.
+  void (*moe_accumulate)(ActType act, const float* src, int64_t n, float* dst);
 };
 
 // Drivers: the LinearKernels / MoeExpertsKernels slot semantics (linear.h, moe_experts.h) on a level's blocks.
@@ -123,6 +130,9 @@ extern const MoeExpertsKernels kMoeExperts;
 // at or past w.cols are written as zeros. k0 and kc are multiples of 32.
 void DecodeRowsBf16(const WeightView& w, int64_t n0, int64_t rows, int64_t k0, int64_t kc, uint16_t* dst,
                     int64_t ld);
+// The MoE element-wise steps (LinearBlocks::moe_swiglu / moe_accumulate), shared with the AMX level.
+void MoeSwiGluRow(ActType act, float* g, const float* u, int64_t n, float limit, float scale, void* dst);
+void MoeAccumulateRow(ActType act, const float* src, int64_t n, float* dst);
 // The tiles' activation layout (see linear_amx.cc), vectorised.
 void PrepareTileBlocks(ActType act, const void* x, int64_t ldx, const int64_t* index, int64_t m, int64_t kw,
                        int64_t block_begin, int64_t block_end, void* dst);

@@ -140,7 +140,7 @@ void Rows(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n
 
 extern const LinearBlocks kRowBlocks = {
     "portable", RowsSupported, RowBytes, PrepareRows, RowsScratch, Rows, nullptr, nullptr, nullptr, nullptr,
-    nullptr, nullptr,    {0, 0},        0,
+    nullptr, nullptr,    {0, 0},        0,       nullptr, nullptr,
 };
 
 void DecodeRowsBf16(const WeightView& w, int64_t n0, int64_t rows, int64_t k0, int64_t kc, uint16_t* dst,

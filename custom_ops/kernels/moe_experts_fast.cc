@@ -241,6 +241,11 @@ void RunMoeExperts(const LinearBlocks& b, ActType act, const void* x, int64_t to
           mm(act, xp, j.count, w3, item.i0, item.i1, MatOut{u, rows, false}, base);
           for (int64_t p = 0; p < j.count; ++p) {
             const int64_t pos = j.begin + p;
+            if (b.moe_swiglu != nullptr) {
+              b.moe_swiglu(act, g + p * rows, u + p * rows, rows, swiglu_limit, dense ? 1.0f : slot_weight[pos],
+                           act_buf.bytes() + static_cast<size_t>(pos * inter + item.i0) * elem);
+              continue;
+            }
             for (int64_t i = 0; i < rows; ++i) {
               float a = ref::SwiGlu(RoundAct(act, g[p * rows + i]), RoundAct(act, u[p * rows + i]), swiglu_limit);
               if (!dense) a *= slot_weight[pos];
@@ -282,7 +287,11 @@ void RunMoeExperts(const LinearBlocks& b, ActType act, const void* x, int64_t to
                                          MatOut{out, cols, false}, base);
             for (int64_t p = 0; p < j.count; ++p) {
               float* dst = acc + slot_token[j.begin + p] * dim + cb;
-              for (int64_t c = 0; c < cols; ++c) dst[c] += RoundAct(act, out[p * cols + c]);
+              if (b.moe_accumulate != nullptr) {
+                b.moe_accumulate(act, out + p * cols, cols, dst);
+              } else {
+                for (int64_t c = 0; c < cols; ++c) dst[c] += RoundAct(act, out[p * cols + c]);
+              }
             }
           }
         }
