@@ -14,6 +14,14 @@ Run it with ``dsv4-ort bench`` (or ``python -m dsv4_ort.bench``); see :mod:`.cli
 The standalone scripts ``bench_linear.py`` / ``bench_attention.py`` in this directory are independent tools.
 """
 
-from .suite import MODES, SCHEMA, run
-
 __all__ = ["run", "MODES", "SCHEMA"]
+
+
+def __getattr__(name):
+    # The suite (numpy, onnxruntime) loads on first use, not when the dsv4-ort parser imports .cli: the bench sets
+    # up the process (cli.quiet_numpy_blas) before numpy loads.
+    if name in __all__:
+        from . import suite
+
+        return getattr(suite, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as dsv4-ort bench (bench/cli.py quiet_numpy_blas)
+
 import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper

@@ -7,6 +7,7 @@ standalone (``python -m dsv4_ort.bench``).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 USAGE = "dsv4-ort bench [--smoke | --quick] [--out DIR] [--plot] [--isa LEVELS] [--threads N] [--e2e | --no-e2e] ..."
@@ -79,7 +80,14 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+def quiet_numpy_blas() -> None:
+    """Keeps numpy's BLAS single-threaded (before numpy loads): its idle worker threads spin for a while after any
+    numpy matmul in the suite's setup and take cycles from the measured sessions on a machine with few cores."""
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
 def cmd_bench(args) -> int:
+    quiet_numpy_blas()
     from .suite import run
 
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"

@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    if (sys.argv[1:] if argv is None else list(argv))[:1] == ["bench"]:
+        from .bench.cli import quiet_numpy_blas
+
+        quiet_numpy_blas()  # before numpy loads: building the parser imports the runtime, which imports it
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
