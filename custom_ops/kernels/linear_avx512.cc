@@ -947,12 +947,11 @@ namespace {
 // results do not depend on how tokens, rows or columns are blocked, nor on the thread split. Tokens past m are
 // zeros in the prepared blocks; their lanes are computed and dropped.
 
-constexpr int64_t kPanelRows = 64;   // weight rows decoded per block
+constexpr int64_t kPanelRows = 48;   // weight rows decoded per block (groups of 8 and of 6)
 constexpr int64_t kPanelK = 512;     // columns decoded per block (64 x 512 fp32 = 128 KiB, in L2)
 constexpr int64_t kPanelLd = kPanelK + 16;  // decoded fp32 row stride (floats): rows 2 KiB apart would share L1 sets
 constexpr int64_t kPanelLdBf16 = kPanelK + 32;  // decoded bf16 row stride (elements)
-constexpr int64_t kPanelGroup = 8;   // weight rows per microkernel call
-constexpr int64_t kPanelXBytes = 384 << 10;  // activation columns per pass (fp32: 12 token blocks, bf16: 24)
+constexpr int64_t kPanelXBytes = 768 << 10;  // activation columns per pass (fp32: 24 token blocks, bf16: 48)
 
 int64_t PanelBlocks(int64_t m) { return (m + 15) / 16; }
 
@@ -1037,45 +1036,48 @@ void DecodePanelRows(const WeightView& w, int64_t n0, int64_t rows, int64_t k0, 
 
 // fp32 activations: c[r][16 j ..] (+)= sum over k < kc of w[r][k] * x_j[k] for 8 weight rows (kPanelLd floats
 // apart) and NB token blocks (x_j = x + j * xs, [kc][16] fp32); c rows are ldc floats apart.
-template <int NB>
+template <int NB, int NR>
 void PanelKernelF32(const float* w, const float* x, int64_t xs, int64_t kc, float* c, int64_t ldc, bool first) {
-  __m512 acc[kPanelGroup][NB];
-  for (int r = 0; r < kPanelGroup; ++r)
+  __m512 acc[NR][NB];
+  for (int r = 0; r < NR; ++r)
     for (int j = 0; j < NB; ++j) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + j * 16);
   for (int64_t k = 0; k < kc; ++k) {
     __m512 xv[NB];
     for (int j = 0; j < NB; ++j) xv[j] = _mm512_loadu_ps(x + j * xs + k * 16);
-    for (int r = 0; r < kPanelGroup; ++r) {
+    for (int r = 0; r < NR; ++r) {
       const __m512 b = _mm512_set1_ps(w[r * kPanelLd + k]);
       for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_fmadd_ps(b, xv[j], acc[r][j]);
     }
   }
-  for (int r = 0; r < kPanelGroup; ++r)
+  for (int r = 0; r < NR; ++r)
     for (int j = 0; j < NB; ++j) _mm512_storeu_ps(c + r * ldc + j * 16, acc[r][j]);
 }
 
 // bf16 activations: the same with column pairs: w rows (ldw elements apart) are bf16 in column order, so
 // one 32-bit broadcast is a (w[2p], w[2p + 1]) pair; x_j = x + j * xs is the tile layout of one 16-token block
 // ([pair][16 tokens][2]); kc / 2 VDPBF16PS steps.
-template <int NB>
+template <int NB, int NR>
 void PanelKernelBf16(const uint16_t* w, int64_t ldw, const uint16_t* x, int64_t xs, int64_t kc, float* c,
                      int64_t ldc, bool first) {
-  __m512 acc[kPanelGroup][NB];
-  for (int r = 0; r < kPanelGroup; ++r)
+  __m512 acc[NR][NB];
+  for (int r = 0; r < NR; ++r)
     for (int j = 0; j < NB; ++j) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + j * 16);
   for (int64_t q = 0; q < kc / 2; ++q) {
     __m512bh xv[NB];
     for (int j = 0; j < NB; ++j) xv[j] = AsBh(_mm512_loadu_si512(x + j * xs + q * 32));
-    for (int r = 0; r < kPanelGroup; ++r) {
+    for (int r = 0; r < NR; ++r) {
       uint32_t pair;
       std::memcpy(&pair, w + r * ldw + 2 * q, sizeof pair);
       const __m512bh b = AsBh(_mm512_set1_epi32(static_cast<int>(pair)));
       for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], b, xv[j]);
     }
   }
-  for (int r = 0; r < kPanelGroup; ++r)
+  for (int r = 0; r < NR; ++r)
     for (int j = 0; j < NB; ++j) _mm512_storeu_ps(c + r * ldc + j * 16, acc[r][j]);
 }
+
+// Rows per microkernel call for a panel of nb token blocks: 8 x up to 3, 6 x 4 (24 accumulators either way).
+int64_t PanelGroupRows(int64_t nb) { return nb == 4 ? 6 : 8; }
 
 // Prefetches (into L2) the source bytes of weight rows [n0, n0 + rows) x columns [k0, k0 + kc), the next block
 // the panels decode. A block's rows are short pieces of long rows (1 KiB of a bf16 row for 512 columns), which
@@ -1185,14 +1187,15 @@ void Panels(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t
   float* acc = wdec + kPanelRows * kPanelLd;
   // Token blocks per pass over the weight rows: their kPanelK columns of activations (kPanelXBytes) stay in L2
   // while every 64-row weight block meets them; more tokens take more passes, each decoding the weights again.
-  const int64_t pass_blocks = kPanelXBytes / (kPanelK * 16 * (bf16 ? 2 : 4));
-  for (int64_t s0 = 0; s0 < blocks; s0 += pass_blocks) {
-    const int64_t s1 = std::min(blocks, s0 + pass_blocks), sb = s1 - s0;
-    // Token panels of up to three blocks, as even as possible (4 blocks -> 2 + 2, not 3 + 1).
-    const int64_t panels = (sb + 2) / 3;
+  const int64_t max_pass_blocks = kPanelXBytes / (kPanelK * 16 * (bf16 ? 2 : 4));
+  const int64_t passes = (blocks + max_pass_blocks - 1) / max_pass_blocks;
+  for (int64_t pass = 0; pass < passes; ++pass) {  // passes of equal size (64 blocks -> 32 + 32, not 48 + 16)
+    const int64_t s0 = blocks * pass / passes, s1 = blocks * (pass + 1) / passes, sb = s1 - s0;
+    // Token panels of up to four blocks, as even as possible (5 blocks -> 2 + 3, not 4 + 1).
+    const int64_t panels = (sb + 3) / 4;
     for (int64_t b0 = n0; b0 < n1; b0 += kPanelRows) {
       const int64_t rows = std::min(kPanelRows, n1 - b0);
-      const int64_t grouped = (rows + kPanelGroup - 1) / kPanelGroup * kPanelGroup;  // zero rows pad the last group
+      const int64_t grouped = (rows + 23) / 24 * 24;  // zero rows pad the last group of 6 or 8
       // bf16 weights meet bf16 activations as stored when every row of every group and every column of every
       // 32-column step is the matrix's own (a copy into scratch measured ~10% of the time at M = 256).
       const bool inplace = bf16 && w.format == WeightFormat::kBf16 && grouped == rows && w.cols % 32 == 0;
@@ -1218,30 +1221,37 @@ void Panels(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t
           for (int64_t r = rows; r < grouped; ++r)
             std::memset(wdec + r * kPanelLd, 0, static_cast<size_t>(kc) * sizeof(float));
         }
-        const int64_t calls = panels * (grouped / kPanelGroup);
+        int64_t calls = 0;
+        for (int64_t p = 0; p < panels; ++p) {
+          const int64_t nr = PanelGroupRows(s0 + sb * (p + 1) / panels - (s0 + sb * p / panels));
+          calls += (rows + nr - 1) / nr;
+        }
         int64_t call = 0;
         for (int64_t p = 0; p < panels; ++p) {
-          const int64_t q0 = s0 + sb * p / panels, nb = s0 + sb * (p + 1) / panels - q0;
-          for (int64_t r = 0; r < grouped; r += kPanelGroup, ++call) {
+          const int64_t q0 = s0 + sb * p / panels, nb = s0 + sb * (p + 1) / panels - q0, nr = PanelGroupRows(nb);
+          for (int64_t r = 0; r < rows; r += nr, ++call) {
             if (next_b >= 0) {
               const int64_t p0 = kPanelRows * call / calls, p1 = kPanelRows * (call + 1) / calls;
               PrefetchPanelRows(w, next_b + p0, std::min(p1, n1 - next_b) - p0, next_k, kPanelK);
             }
             float* c = acc + r * ldc + q0 * 16;
+            const bool first = k0 == 0;
             if (bf16) {
               const uint16_t* wr = inplace ? static_cast<const uint16_t*>(w.data) + (b0 + r) * w.cols + k0
                                            : wdec16 + r * kPanelLdBf16;
               const int64_t ldw = inplace ? w.cols : kPanelLdBf16;
               const uint16_t* xb = static_cast<const uint16_t*>(xp) + q0 * xs + k0 * 16;
-              if (nb == 1) PanelKernelBf16<1>(wr, ldw, xb, xs, kc, c, ldc, k0 == 0);
-              else if (nb == 2) PanelKernelBf16<2>(wr, ldw, xb, xs, kc, c, ldc, k0 == 0);
-              else PanelKernelBf16<3>(wr, ldw, xb, xs, kc, c, ldc, k0 == 0);
+              if (nb == 1) PanelKernelBf16<1, 8>(wr, ldw, xb, xs, kc, c, ldc, first);
+              else if (nb == 2) PanelKernelBf16<2, 8>(wr, ldw, xb, xs, kc, c, ldc, first);
+              else if (nb == 3) PanelKernelBf16<3, 8>(wr, ldw, xb, xs, kc, c, ldc, first);
+              else PanelKernelBf16<4, 6>(wr, ldw, xb, xs, kc, c, ldc, first);
             } else {
               const float* wr = wdec + r * kPanelLd;
               const float* xb = static_cast<const float*>(xp) + q0 * xs + k0 * 16;
-              if (nb == 1) PanelKernelF32<1>(wr, xb, xs, kc, c, ldc, k0 == 0);
-              else if (nb == 2) PanelKernelF32<2>(wr, xb, xs, kc, c, ldc, k0 == 0);
-              else PanelKernelF32<3>(wr, xb, xs, kc, c, ldc, k0 == 0);
+              if (nb == 1) PanelKernelF32<1, 8>(wr, xb, xs, kc, c, ldc, first);
+              else if (nb == 2) PanelKernelF32<2, 8>(wr, xb, xs, kc, c, ldc, first);
+              else if (nb == 3) PanelKernelF32<3, 8>(wr, xb, xs, kc, c, ldc, first);
+              else PanelKernelF32<4, 6>(wr, xb, xs, kc, c, ldc, first);
             }
           }
         }

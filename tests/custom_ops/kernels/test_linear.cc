@@ -420,16 +420,19 @@ void TestLayoutsMatchPortable() {
 #endif
 
 #if DSV4_X86_VARIANTS
-// Many tokens on the AVX512 panels: more than one pass over the weight rows (fp32: 12 token blocks per pass, bf16:
-// 24), several 512-column blocks with a tail, a partial last group of rows; thread count must not matter.
+// Many tokens on the AVX512 panels: more than one pass over the weight rows (fp32: 24 token blocks per pass, bf16:
+// 48), several 512-column blocks with a tail, a partial last group of rows, or whole groups and steps (in place);
+// thread count must not matter.
 void TestPanelPasses() {
   dsv4_test::RequireIsa(IsaLevel::kAvx512);
   Rng rng(7);
   const dsv4_test::ThreadParallel threads(3);
   for (ActType act : {ActType::kF32, ActType::kBf16}) {
     for (Fmt fmt : {Fmt::kBf16, Fmt::kFp8E8m0, Fmt::kFp4}) {
-      for (int64_t m : {int64_t{200}, int64_t{401}}) {
-        Problem p = MakeProblem(rng, act, fmt, m, 75, fmt == Fmt::kFp4 ? 1088 : 1100, 1, 32);
+      for (int64_t m : {int64_t{401}, int64_t{801}}) {
+        // 96 x 1088: whole groups of rows and 32-column steps (bf16 weights are then read in place)
+        const bool whole = m == 801;
+        Problem p = MakeProblem(rng, act, fmt, m, whole ? 96 : 75, whole || fmt == Fmt::kFp4 ? 1088 : 1100, 1, 32);
         const std::vector<float> want = Reference(p);
         const auto run = [](ActType a, const void* x, int64_t mm, const WeightView& w, int64_t g, void* y,
                             const dsv4::Parallel& par) { RunTable(dsv4::avx512::kLinear, a, x, mm, w, g, y, par); };
