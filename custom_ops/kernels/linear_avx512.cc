@@ -160,6 +160,14 @@ struct Fp8Rows {
   }
 };
 
+// The view an Fp8Rows cursor walks: the weight itself when it is FP8, else a placeholder with a valid block size
+// (the cursor is then never used). Fp8Rows keeps a reference to its view: bind the result to a named variable.
+WeightView Fp8CursorView(const WeightView& w) {
+  return w.format == WeightFormat::kFp8E4M3
+             ? w
+             : WeightView{WeightFormat::kFp8E4M3, nullptr, 0, 0, ScaleFormat::kNone, nullptr, 32};
+}
+
 // Calls emit(c, lo, hi) with the exact fp32 values of FP8 row `row` (at cursor position `pos`), columns
 // k0 + c .. k0 + c + 31, for c = 0, 32, .. < kc (k0, kc multiples of 32; columns at or past w.cols read as 0).
 // One scale per 32 columns: the block is a multiple of 32.
@@ -251,9 +259,7 @@ __m512i DecodeFp4Block(const uint8_t* src, uint8_t e) {
 
 void DecodeRowsBf16(const WeightView& w, int64_t n0, int64_t rows, int64_t k0, int64_t kc, uint16_t* dst,
                     int64_t ld) {
-  const WeightView fp8_view = w.format == WeightFormat::kFp8E4M3 ? w : WeightView{WeightFormat::kFp8E4M3, nullptr,
-                                                                                     0, 0, ScaleFormat::kNone,
-                                                                                     nullptr, 32};
+  const WeightView fp8_view = Fp8CursorView(w);
   Fp8Rows fp8(fp8_view, n0, k0);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = n0 + r;
@@ -941,14 +947,15 @@ namespace {
 //   bf16 act     the AMX tile layout of one part ([pair][16 tokens][2] bf16, PrepareTileBlocks); weight rows
 //                decoded to bf16 in column order (DecodeRowsBf16: rounded as linear.h specifies), so a 32-bit
 //                broadcast is a column pair and one VDPBF16PS covers two columns.
-//   microkernel  8 weight rows x 1-3 token blocks = up to 24 accumulators; per column (pair), up to three
-//                activation loads, eight weight broadcasts and 24 FMAs / dot products, operands from L1 / L2.
+//   microkernel  8 weight rows x 1-3 token blocks or 6 rows x 4 blocks = up to 24 accumulators; per column
+//                (pair), up to four activation loads, eight or six weight broadcasts and 24 FMAs / dot products,
+//                operands from L1 / L2. bf16 weights against bf16 activations are broadcast in place.
 // Each output is one fixed chain over the columns (kept in a per-task accumulator between column blocks), so
 // results do not depend on how tokens, rows or columns are blocked, nor on the thread split. Tokens past m are
 // zeros in the prepared blocks; their lanes are computed and dropped.
 
 constexpr int64_t kPanelRows = 48;   // weight rows decoded per block (groups of 8 and of 6)
-constexpr int64_t kPanelK = 512;     // columns decoded per block (64 x 512 fp32 = 128 KiB, in L2)
+constexpr int64_t kPanelK = 512;     // columns decoded per block (48 x 512 fp32 = 96 KiB, in L2)
 constexpr int64_t kPanelLd = kPanelK + 16;  // decoded fp32 row stride (floats): rows 2 KiB apart would share L1 sets
 constexpr int64_t kPanelLdBf16 = kPanelK + 32;  // decoded bf16 row stride (elements)
 constexpr int64_t kPanelXBytes = 768 << 10;  // activation columns per pass (fp32: 24 token blocks, bf16: 48)
@@ -970,10 +977,7 @@ void WidenEvenOdd(__m512i v, float* dst) {
 // fp32 activations: weight rows [n0, n0 + rows) x columns [k0, k0 + kc) (multiples of 32) -> their exact fp32
 // values in [even, odd] order, rows of dst kPanelLd floats apart; rows past w.rows and columns past w.cols are zeros.
 void DecodePanelRows(const WeightView& w, int64_t n0, int64_t rows, int64_t k0, int64_t kc, float* dst) {
-  // (Fp8Rows keeps a reference to its view: a named one, never a temporary)
-  const WeightView fp8_view = w.format == WeightFormat::kFp8E4M3 ? w : WeightView{WeightFormat::kFp8E4M3, nullptr,
-                                                                                     0, 0, ScaleFormat::kNone,
-                                                                                     nullptr, 32};
+  const WeightView fp8_view = Fp8CursorView(w);
   Fp8Rows fp8(fp8_view, n0, k0);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = n0 + r;
@@ -1185,8 +1189,8 @@ void Panels(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t
   float* wdec = static_cast<float*>(scratch);
   uint16_t* wdec16 = static_cast<uint16_t*>(scratch);
   float* acc = wdec + kPanelRows * kPanelLd;
-  // Token blocks per pass over the weight rows: their kPanelK columns of activations (kPanelXBytes) stay in L2
-  // while every 64-row weight block meets them; more tokens take more passes, each decoding the weights again.
+  // Token blocks per pass over the weight rows: their kPanelK columns of activations (at most kPanelXBytes) stay in
+  // L2 while every weight block meets them; more tokens take more passes, each decoding the weights again.
   const int64_t max_pass_blocks = kPanelXBytes / (kPanelK * 16 * (bf16 ? 2 : 4));
   const int64_t passes = (blocks + max_pass_blocks - 1) / max_pass_blocks;
   for (int64_t pass = 0; pass < passes; ++pass) {  // passes of equal size (64 blocks -> 32 + 32, not 48 + 16)

@@ -19,7 +19,7 @@
 //          bytes of bf16 from memory, and nothing is written back), and decoded into a small scratch once per
 //          block of weight rows for more.
 //   panels (AVX512, in the tiles slot) the activations are prepared K-major in 16-token blocks and the weight rows
-//          decoded per 64 x 512 block and broadcast, so each FMA (fp32 activations) or VDPBF16PS (bf16, column
+//          decoded per 48 x 512 block and broadcast, so each FMA (fp32 activations) or VDPBF16PS (bf16, column
 //          pairs) has 16 tokens in its lanes; see linear_avx512.cc.
 //   tiles  (AMX) the weight is the A operand of TDPBF16PS: a 16 x 32 bf16 A tile is 16 weight rows x 32 columns,
 //          i.e. [N, Kw] read with the row stride: in place for bf16 weights, from a decoded bf16 block for the
