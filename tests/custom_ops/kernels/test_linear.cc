@@ -4,7 +4,7 @@
 // blocks), groups, and FP8 scale blocks of 32 and 128 (and 16, which the levels hand to the reference).
 //
 // Variants: the avx2 / avx512 / amx tables as dispatched (AVX512 panels / AMX tiles above the level's crossover),
-// the AVX512 panels for every M (avx512_panels), the AMX tiles for every M on real hardware (amx_tiles), and the
+// the AVX2 / AVX512 panels for every M (avx2_panels, avx512_panels), the AMX tiles for every M on real hardware (amx_tiles), and the
 // same tiles on the portable tile emulation (amx_emu, any CPU).
 //
 // Tolerances. Every variant decodes the weights to the reference's values and differs only in summation order
@@ -150,6 +150,11 @@ std::vector<Variant> Variants() {
                                               void* y, const dsv4::Parallel& p) { RunTable(dsv4::avx2::kLinear, a, x, m, w, g, y, p); }});
   v.push_back({"avx512", IsaLevel::kAvx512, 1, [](ActType a, const void* x, int64_t m, const WeightView& w, int64_t g,
                                                   void* y, const dsv4::Parallel& p) { RunTable(dsv4::avx512::kLinear, a, x, m, w, g, y, p); }});
+  v.push_back({"avx2_panels", IsaLevel::kAvx2, 1, [](ActType a, const void* x, int64_t m, const WeightView& w,
+                                                     int64_t g, void* y, const dsv4::Parallel& p) {
+                 static const dsv4::LinearBlocks b = AllTiles(dsv4::avx2::kLinearBlocks);
+                 dsv4::RunLinear(b, a, x, m, w, g, y, p);
+               }});
   v.push_back({"avx512_panels", IsaLevel::kAvx512, 1, [](ActType a, const void* x, int64_t m, const WeightView& w,
                                                          int64_t g, void* y, const dsv4::Parallel& p) {
                  static const dsv4::LinearBlocks b = AllTiles(dsv4::avx512::kLinearBlocks);

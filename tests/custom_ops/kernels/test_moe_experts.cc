@@ -3,7 +3,7 @@
 // mode, token counts that put experts on the rows path, the tiles path or both, odd d / I (tails) and the SwiGLU
 // clamp on and off.
 //
-// Variants: the avx2 / avx512 / amx tables as dispatched, the AVX512 panels for every expert (avx512_panels), the
+// Variants: the avx2 / avx512 / amx tables as dispatched, the AVX2 / AVX512 panels for every expert, the
 // AMX tiles for every expert (amx_tiles, real hardware) and on the tile emulation (amx_emu, any CPU).
 //
 // Tolerances. The matmuls differ from the reference only in summation order (linear.h), but the result passes
@@ -200,6 +200,10 @@ std::vector<Variant> Variants() {
 #if DSV4_X86_VARIANTS
   v.push_back({"avx2", IsaLevel::kAvx2, [](auto... a) { RunTable(dsv4::avx2::kMoeExperts, a...); }});
   v.push_back({"avx512", IsaLevel::kAvx512, [](auto... a) { RunTable(dsv4::avx512::kMoeExperts, a...); }});
+  v.push_back({"avx2_panels", IsaLevel::kAvx2, [](auto... a) {
+                 static const dsv4::LinearBlocks b = AllTiles(dsv4::avx2::kLinearBlocks);
+                 dsv4::RunMoeExperts(b, a...);
+               }});
   v.push_back({"avx512_panels", IsaLevel::kAvx512, [](auto... a) {
                  static const dsv4::LinearBlocks b = AllTiles(dsv4::avx512::kLinearBlocks);
                  dsv4::RunMoeExperts(b, a...);
