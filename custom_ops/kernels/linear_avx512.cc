@@ -99,6 +99,12 @@ __m512 WidenHi(__m512i v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
 }
 
+// [even, odd] order of the 32 fp32 values lo (columns 0..15), hi (16..31).
+void EvenOdd(__m512 lo, __m512 hi, __m512* even, __m512* odd) {
+  *even = _mm512_permutex2var_ps(lo, _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30), hi);
+  *odd = _mm512_permutex2var_ps(lo, _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31), hi);
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Weight decoding.
 
@@ -245,6 +251,14 @@ constexpr Fp4F32Tables MakeFp4F32Tables() {
 
 // 16 KiB; in practice a checkpoint uses a handful of scale bytes, so few rows of it are ever touched.
 constexpr Fp4F32Tables kFp4F32Tables = MakeFp4F32Tables();
+
+// One FP4 block (16 bytes, 32 values) with E8M0 scale byte e -> its exact fp32 values, [even, odd] columns.
+void Fp4BlockF32(const uint8_t* src, uint8_t e, __m512* even, __m512* odd) {
+  const __m512 lut = _mm512_castsi512_ps(_mm512_loadu_si512(kFp4F32Tables.bits[e]));
+  const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  *even = _mm512_permutexvar_ps(d, lut);  // VPERMPS reads the low 4 bits: the low nibble
+  *odd = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), lut);
+}
 
 // One FP4 block (16 bytes, 32 values) with E8M0 scale byte e -> 32 bf16 in column order.
 __m512i DecodeFp4Block(const uint8_t* src, uint8_t e) {
@@ -482,14 +496,14 @@ void PrepareRows(ActType act, const WeightView& w, const void* x, int64_t ldx, c
       std::memset(out + kw, 0, static_cast<size_t>(kp - kw) * sizeof(float));
       continue;
     }
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
     for (int64_t k = 0; k < kp; k += 32) {
       const int64_t valid = kw - k;
       const __m512 a = _mm512_maskz_loadu_ps(Mask16(valid > 0 ? valid : 0), in + k);
       const __m512 b = _mm512_maskz_loadu_ps(Mask16(valid > 16 ? valid - 16 : 0), in + k + 16);
-      _mm512_storeu_ps(out + k, _mm512_permutex2var_ps(a, even, b));
-      _mm512_storeu_ps(out + k + 16, _mm512_permutex2var_ps(a, odd, b));
+      __m512 even, odd;
+      EvenOdd(a, b, &even, &odd);
+      _mm512_storeu_ps(out + k, even);
+      _mm512_storeu_ps(out + k + 16, odd);
     }
   }
 }
@@ -531,12 +545,7 @@ struct Fp4Rows {
   // natural-order bf16
   __m512i Bf16(int q, int64_t c) const { return DecodeFp4Block(src[q] + c * 16, scale[q][c]); }
   // [even, odd] columns as exact fp32
-  void F32(int q, int64_t c, __m512* even, __m512* odd) const {
-    const __m512 lut = _mm512_castsi512_ps(_mm512_loadu_si512(kFp4F32Tables.bits[scale[q][c]]));
-    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src[q] + c * 16)));
-    *even = _mm512_permutexvar_ps(d, lut);  // VPERMPS reads the low 4 bits: the low nibble
-    *odd = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), lut);
-  }
+  void F32(int q, int64_t c, __m512* even, __m512* odd) const { Fp4BlockF32(src[q] + c * 16, scale[q][c], even, odd); }
 };
 
 template <int MR>
@@ -962,12 +971,6 @@ constexpr int64_t kPanelXBytes = 768 << 10;  // activation columns per pass (fp3
 
 int64_t PanelBlocks(int64_t m) { return (m + 15) / 16; }
 
-// [even, odd] order of the 32 fp32 values lo (columns 0..15), hi (16..31).
-void EvenOdd(__m512 lo, __m512 hi, __m512* even, __m512* odd) {
-  *even = _mm512_permutex2var_ps(lo, _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30), hi);
-  *odd = _mm512_permutex2var_ps(lo, _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31), hi);
-}
-
 // 32 bf16 words -> their fp32 values, [even, odd].
 void WidenEvenOdd(__m512i v, float* dst) {
   _mm512_storeu_ps(dst, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
@@ -993,10 +996,10 @@ void DecodePanelRows(const WeightView& w, int64_t n0, int64_t rows, int64_t k0, 
         const int64_t blocks = std::min(kc, std::max<int64_t>(0, w.cols - k0)) / 32;
         for (int64_t b = 0; b < blocks; ++b) {
           if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(src + b * 16) + kPrefetchBytes, _MM_HINT_T0);
-          const __m512 lut = _mm512_castsi512_ps(_mm512_loadu_si512(kFp4F32Tables.bits[scale[b]]));
-          const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + b * 16)));
-          _mm512_storeu_ps(out + b * 32, _mm512_permutexvar_ps(d, lut));  // VPERMPS reads the low nibble
-          _mm512_storeu_ps(out + b * 32 + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), lut));
+          __m512 even, odd;
+          Fp4BlockF32(src + b * 16, scale[b], &even, &odd);
+          _mm512_storeu_ps(out + b * 32, even);
+          _mm512_storeu_ps(out + b * 32 + 16, odd);
         }
         std::memset(out + blocks * 32, 0, static_cast<size_t>(kc - blocks * 32) * sizeof(float));
         break;
@@ -1083,7 +1086,7 @@ void PanelKernelBf16(const uint16_t* w, int64_t ldw, const uint16_t* x, int64_t 
 // Rows per microkernel call for a panel of nb token blocks: 8 x up to 3, 6 x 4 (24 accumulators either way).
 int64_t PanelGroupRows(int64_t nb) { return nb == 4 ? 6 : 8; }
 
-// Prefetches (into L2) the source bytes of weight rows [n0, n0 + rows) x columns [k0, k0 + kc), the next block
+// Prefetches the source bytes of weight rows [n0, n0 + rows) x columns [k0, k0 + kc), the next block
 // the panels decode. A block's rows are short pieces of long rows (1 KiB of a bf16 row for 512 columns), which
 // neither the decode loops' run-ahead nor the hardware prefetchers cover: issued one block ahead, the loads
 // overlap the current block's arithmetic instead of stalling the decode at DRAM latency.
@@ -1098,7 +1101,7 @@ void PrefetchPanelRows(const WeightView& w, int64_t n0, int64_t rows, int64_t k0
     const char* row = static_cast<const char*>(w.data) + r * row_bytes;
     for (int64_t b = lo & ~int64_t{63}; b < hi; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
     if (w.format == WeightFormat::kFp4E2M1) {
-      _mm_prefetch(static_cast<const char*>(w.scale) + r * (w.cols / kFp4Block) + k0 / kFp4Block, _MM_HINT_T1);
+      _mm_prefetch(static_cast<const char*>(w.scale) + r * (w.cols / kFp4Block) + k0 / kFp4Block, _MM_HINT_T0);
     }
   }
 }
