@@ -1,4 +1,4 @@
-"""Generates the C++ view (op_table_gen.h) of export/op_table.json, the op-contract table.
+"""Generates the C++ view (op_table_gen.h) of src/dsv4_ort/export/op_table.json, the op-contract table.
 
 The library registers exactly the ops listed there, with the inputs, outputs, types, attributes and shape rules
 given there; tests check the built library against the same file.
@@ -48,7 +48,7 @@ def main(src, dst):
     with open(src) as f:
         table = json.load(f)
     out = [
-        "// Generated from export/op_table.json by custom_ops/tools/gen_op_table.py. Do not edit.",
+        "// Generated from src/dsv4_ort/export/op_table.json by custom_ops/tools/gen_op_table.py. Do not edit.",
         "#pragma once", "", '#include "ops/op_table.h"', "", "namespace dsv4::optable {", "",
         "inline constexpr const char* kDomain = %s;" % cstr(table["domain"]),
         "inline constexpr int kTableVersion = %d;" % table["table_version"],

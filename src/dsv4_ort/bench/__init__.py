@@ -10,8 +10,6 @@ Run it with ``dsv4-ort bench`` (or ``python -m dsv4_ort.bench``); see :mod:`.cli
 * :mod:`.kernels`, :mod:`.baselines` - the kernel runs per ISA level and the PyTorch / onnxruntime baselines;
 * :mod:`.e2e` - the bench preset end to end, bytes per decoded token, PyTorch reference and transformers;
 * :mod:`.report`, :mod:`.plots`, :mod:`.readme` - results.json schema, summary.md, charts, the README section.
-
-The standalone scripts ``bench_linear.py`` / ``bench_attention.py`` in this directory are independent tools.
 """
 
 __all__ = ["run", "MODES", "SCHEMA"]

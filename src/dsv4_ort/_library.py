@@ -48,10 +48,15 @@ def library_info(isa: str | None = None) -> dict:
     import numpy as np
     import onnxruntime as ort
 
-    from . import _onnx_min
+    from onnx import TensorProto, helper
+
     from .export import schema
 
-    model = _onnx_min.one_node_model("LibraryInfo", schema.DOMAIN, [("unused", 7, 1)], [("info", 8, 1)])
+    node = helper.make_node("LibraryInfo", ["unused"], ["info"], domain=schema.DOMAIN)
+    graph = helper.make_graph([node], "library_info", [helper.make_tensor_value_info("unused", TensorProto.INT64, [1])],
+                              [helper.make_tensor_value_info("info", TensorProto.STRING, [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(schema.DOMAIN, 1)],
+                              ir_version=8).SerializeToString()
     with isa_cap(isa):
         so = ort.SessionOptions()
         register(so)
