@@ -99,7 +99,7 @@ class Cache:
     def checkpoint(self, cfg: str = "tiny", naming: str = "deepseek", weights: str = "native", seed: int = 0) -> Path:
         key = (cfg, naming, weights, seed)
         if key not in self._ck:
-            from dsv4_ort.models.checkpoint import write_random_checkpoint
+            from dsv4_ort.models import write_random_checkpoint
 
             path = self.root / f"ck-{cfg}-{naming}-{weights}-{seed}"
             with one_torch_thread():
@@ -122,7 +122,7 @@ class Cache:
     def reference(self, ck_key: tuple = ("tiny",)):
         key = tuple(ck_key)
         if key not in self._ref:
-            from dsv4_ort.models.checkpoint import load_model
+            from dsv4_ort.models import load_model
 
             with one_torch_thread():
                 self._ref[key] = load_model(self.checkpoint(*ck_key))

@@ -192,7 +192,7 @@ def test_released_geometries_build_and_type_check(preset):
 
     from dsv4_ort.export.graph import DecoderGraph, Weight, make_model
     from dsv4_ort.export.weights import Entry, external_initializer, stacked_name, tensor_role
-    from dsv4_ort.models.checkpoint import deepseek_tensor_specs
+    from dsv4_ort.models import deepseek_tensor_specs
     from dsv4_ort.models.config import DeepseekV4Config
 
     T = onnx.TensorProto
@@ -454,7 +454,7 @@ _MEMORY_SCRIPT = textwrap.dedent("""
 
 def test_peak_memory_is_bounded_by_the_largest_tensor(cache, tmp_path):
     """Exporting a checkpoint several times larger than the budget grows the RSS by about one tensor."""
-    from dsv4_ort.models.checkpoint import deepseek_tensor_specs, write_random_checkpoint
+    from dsv4_ort.models import deepseek_tensor_specs, write_random_checkpoint
 
     cfg = config("fast").replace(n_routed_experts=32, moe_intermediate_size=128, vocab_size=1024)
     ck = tmp_path / "ck"

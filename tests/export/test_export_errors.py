@@ -14,7 +14,7 @@ from model_fixtures import config
 
 from dsv4_ort.export import ExportError, export_model
 from dsv4_ort.export import cli as export_cli
-from dsv4_ort.models import checkpoint as C
+import dsv4_ort.models as C
 
 CK = ("fast", "deepseek", "bf16")  # bf16 weights: quick to write
 

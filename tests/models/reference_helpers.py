@@ -56,3 +56,23 @@ def selection_margin(model: DeepseekV4ForCausalLM, input_ids: torch.Tensor) -> f
     finally:
         Fn.indexer_topk, Fn.route_topk = real_indexer, real_route
     return min(gaps) if gaps else float("inf")
+
+
+def randomize_hf(model, seed):
+    """Draws every parameter and buffer of a transformers DeepSeek-V4 model (norms near 1, hash tables of distinct
+    experts) from one seed."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("scale"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("position_bias") or p.dim() == 1:
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+            elif name.endswith("tid2eid"):
+                table = torch.rand(b.shape[0], model.config.n_routed_experts, generator=g).argsort(-1)
+                b.copy_(table[:, :b.shape[1]])

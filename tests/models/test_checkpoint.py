@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from dsv4_ort.models import checkpoint as C
+import dsv4_ort.models as C
 from dsv4_ort.models import quant as Q
 from dsv4_ort.models.config import DeepseekV4Config
 
@@ -533,7 +533,7 @@ def test_error_config(ckpt, tmp_path):
 
 _MEASURE = textwrap.dedent("""
     import resource, sys, torch
-    from dsv4_ort.models import checkpoint as C
+    import dsv4_ort.models as C
     mode, path = sys.argv[1], sys.argv[2]
     torch.zeros(1) + 1
     torch.empty(4, device="meta").normal_()  # one-time import of the meta kernels (~75 MB)
@@ -548,7 +548,7 @@ _MEASURE = textwrap.dedent("""
         n = sum(t.numel() * t.element_size() for t in m.state_dict().values())
     else:
         import json
-        cfg = C._cfg_dict(json.load(open(sys.argv[3])))
+        cfg = C.cfg_dict(json.load(open(sys.argv[3])))
         C.write_random_checkpoint(path, cfg, weights=mode, shard_size_bytes=3_000_000)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print((peak - base) * 1024, n)

@@ -158,3 +158,22 @@ def test_errors_name_the_field(change, field):
 def test_unknown_preset():
     with pytest.raises(ValueError, match="preset"):
         DeepseekV4Config.from_preset("huge")
+
+
+def test_any_mlp_layer_pattern_transformers_accepts():
+    """Per-layer MLP kinds in any order (transformers' mlp_layer_types); a hash-first list folds into num_hash_layers."""
+    from dsv4_ort.models import DeepseekV4Config
+
+    base = DeepseekV4Config.from_preset("tiny").to_hf_dict()
+    c = DeepseekV4Config.from_dict({**base, "mlp_layer_types": ["hash_moe", "moe", "moe", "hash_moe"]})
+    assert [c.is_hash_layer(i) for i in range(4)] == [True, False, False, True] and c.num_hash_layers == 2
+    assert c.to_hf_dict()["mlp_layer_types"] == ["hash_moe", "moe", "moe", "hash_moe"]
+    assert DeepseekV4Config.from_dict(c.to_dict()) == c
+    first = DeepseekV4Config.from_dict({**base, "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"]})
+    assert first.mlp_layer_types is None and first.num_hash_layers == 1
+    assert not any(c.is_hash_layer(c.num_hidden_layers + k) for k in range(c.num_nextn_predict_layers))
+    for bad in (["hash_moe", "moe"], ["moe", "dense", "moe", "moe"]):
+        with pytest.raises(ValueError, match="mlp_layer_types"):
+            DeepseekV4Config.from_dict({**base, "mlp_layer_types": bad})
+    with pytest.raises(ValueError, match="num_hash_layers"):
+        DeepseekV4Config.from_dict({**base, "mlp_layer_types": ["moe", "hash_moe", "moe", "moe"], "num_hash_layers": 3})

@@ -11,12 +11,12 @@ import time
 import pytest
 import torch
 import transformers
-from reference_helpers import selection_margin
+from reference_helpers import randomize_hf, selection_margin
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as H
 
 from dsv4_ort.models import DeepseekV4Config, DeepseekV4ForCausalLM
 from dsv4_ort.models import functional as Fn
-from dsv4_ort.models.checkpoint import hf_state_dict_to_deepseek
+from dsv4_ort.models import hf_state_dict_to_deepseek
 
 transformers.logging.set_verbosity_error()
 
@@ -43,24 +43,6 @@ CONFIGS = {
                             num_attention_heads=4, head_dim=64, qk_rope_head_dim=16, index_head_dim=32, o_groups=1,
                             sliding_window=4, index_topk=2, num_experts_per_tok=1, num_hash_layers=3), 120),
 }
-
-
-def randomize_hf(model, seed):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("scale"):
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
-            elif name.endswith("position_bias") or p.dim() == 1:
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn(b.shape, generator=g))
-            elif name.endswith("tid2eid"):
-                table = torch.rand(b.shape[0], model.config.n_routed_experts, generator=g).argsort(-1)
-                b.copy_(table[:, :b.shape[1]])
 
 
 def build_pair(config, seed=0):

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from dsv4_ort.models import checkpoint as C
+import dsv4_ort.models as C
 
 TENSORS = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16),
            "c": torch.tensor([7, 8], dtype=torch.int64)}
@@ -27,7 +27,7 @@ def shard(tmp_path_factory) -> bytes:
 
 
 def read_all(path) -> dict:
-    with C._ShardReader(str(path)) as r:
+    with C.ShardReader(str(path)) as r:
         return {name: r.get(name) for name in r.header}
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from dsv4_ort.models import checkpoint as C
+import dsv4_ort.models as C
 from dsv4_ort.models import functional as Fn
 from dsv4_ort.models import quant as Q
 from dsv4_ort.models import quant_np as QN

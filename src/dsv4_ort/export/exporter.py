@@ -116,14 +116,15 @@ def _load_source(checkpoint_dir, preset, seed):
         config = DeepseekV4Config.from_preset(preset)
         return config, random_arrays(config, weights="native", seed=int(seed)), \
             {"checkpoint": None, "preset": preset, "seed": int(seed), "naming": "deepseek"}, None
-    from dsv4_ort.models.checkpoint import Checkpoint, UnsupportedModelError, read_config_dict
+    from dsv4_ort.models.checkpoint import Checkpoint, read_config_dict
+    from dsv4_ort.models.errors import UnsupportedModelError
 
     if preset is not None:
         raise ExportError(f"give either a checkpoint directory or a preset, not both (preset={preset!r}, "
                           f"checkpoint={os.fspath(checkpoint_dir)!r})")
     path = os.fspath(checkpoint_dir)
     if not os.path.isdir(path):
-        from dsv4_ort.models.checkpoint import CheckpointNotFoundError
+        from dsv4_ort.models.errors import CheckpointNotFoundError
 
         raise CheckpointNotFoundError("checkpoint directory not found" if not os.path.exists(path)
                                       else "checkpoint path is not a directory", file=path)
@@ -133,7 +134,8 @@ def _load_source(checkpoint_dir, preset, seed):
     except (TypeError, ValueError) as e:
         raise UnsupportedModelError(f"invalid config ({e})", file=os.path.join(path, "config.json")) from None
     ck = Checkpoint(path)
-    return config, ck.iter_raw(), {"checkpoint": os.path.abspath(path), "preset": None, "naming": ck.naming}, path
+    return config, ck.iter_raw(), {"checkpoint": os.path.abspath(path), "preset": None, "naming": ck.naming,
+                                   "mtp_in_checkpoint": ck.has_mtp}, path
 
 
 def _check_out_dir(out_dir: Path) -> None:
@@ -175,7 +177,7 @@ def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights:
     Args:
         checkpoint_dir: directory with ``config.json`` and safetensors shards (DeepSeek or transformers
             naming), or None with ``preset`` for deterministic random weights (``seed``; the values
-            :func:`~dsv4_ort.models.checkpoint.write_random_checkpoint` writes, release formats). A preset
+            :func:`~dsv4_ort.models.random_checkpoint.write_random_checkpoint` writes, release formats). A preset
             export needs only numpy and onnx (the weights come from :mod:`dsv4_ort.models.synthetic`);
             reading a checkpoint needs torch.
         out_dir: created if needed; receives ``model.onnx``, ``model.onnx.data``, ``dsv4_ort.json`` and the
@@ -194,7 +196,7 @@ def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights:
         Path of ``model.onnx``.
     Raises:
         ExportError (a ValueError) for bad arguments / output directory; the
-        :class:`~dsv4_ort.models.checkpoint.CheckpointError` family (ValueError; FileNotFoundError for missing
+        :class:`~dsv4_ort.models.errors.CheckpointError` family (ValueError; FileNotFoundError for missing
         files) for checkpoint problems, naming the tensor and file. On any failure the temporary files are
         removed and no ``model.onnx`` from this run exists.
     """
@@ -421,6 +423,7 @@ def _metadata(config, dg: DecoderGraph, g, origin, mode, formats, max_seq_len, m
                   "note": "bind one buffer per tensor as both past.L.name and present.L.name; zero-initialised "
                           "buffers are valid for any row at start_pos 0 (stale contents are never read)"},
         "tokenizer": {"present": bool(tok_files), "files": list(tok_files)},
-        "mtp": {"exported": False, "layers": config.num_nextn_predict_layers},
+        "mtp": {"exported": False, "layers": config.num_nextn_predict_layers,
+                "in_checkpoint": bool(origin.get("mtp_in_checkpoint", config.num_nextn_predict_layers > 0))},
         "source": origin,
     }

@@ -94,7 +94,10 @@ class DeepseekV4Config:
     topk_method: str = "noaux_tc"
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.5
-    num_hash_layers: int = 3  # layers [0, num_hash_layers) route by tid2eid[token]
+    num_hash_layers: int = 3  # layers [0, num_hash_layers) route by tid2eid[token] (the released configs' spelling)
+    # Per main layer "hash_moe" | "moe" in any order (transformers' spelling); None: hash-first from num_hash_layers.
+    # A hash-first list is folded into num_hash_layers; otherwise num_hash_layers counts the hash layers.
+    mlp_layer_types: list[str] | None = None
     swiglu_limit: float = 10.0
     hidden_act: str = "silu"
     hc_mult: int = 4
@@ -129,6 +132,12 @@ class DeepseekV4Config:
             if rs.get("attention_factor") in (1, 1.0):
                 rs.pop("attention_factor")
             self.rope_scaling = None if rs["type"] in ("default", None) else rs
+        if self.mlp_layer_types is not None:
+            types = [str(t) for t in self.mlp_layer_types]
+            n_hash = sum(t == MLP_HASH for t in types)
+            self.mlp_layer_types = None if types == [MLP_HASH] * n_hash + [MLP_SCORE] * (len(types) - n_hash) else types
+            if self.mlp_layer_types is None:
+                self.num_hash_layers = n_hash
         if isinstance(self.quantization_config, dict) and self.expert_dtype is None:
             self.expert_dtype = self.quantization_config.get("expert_dtype")
         self.validate()
@@ -151,6 +160,8 @@ class DeepseekV4Config:
 
     def is_hash_layer(self, layer_id: int) -> bool:
         """MoE of main layer `layer_id` routes by token id (MTP layers have ids >= num_hidden_layers)."""
+        if self.mlp_layer_types is not None:
+            return layer_id < self.num_hidden_layers and self.mlp_layer_types[layer_id] == MLP_HASH
         return layer_id < self.num_hash_layers
 
     # ------------------------------------------------------------------------------ validation
@@ -186,6 +197,13 @@ class DeepseekV4Config:
         need(all(r >= 0 for r in self.compress_ratios), "compress_ratios", "entries must be >= 0")
         need(self.num_hash_layers <= self.num_hidden_layers, "num_hash_layers",
              f"must be <= num_hidden_layers={self.num_hidden_layers}")
+        if self.mlp_layer_types is not None:
+            types = self.mlp_layer_types
+            need(len(types) == self.num_hidden_layers and all(t in (MLP_HASH, MLP_SCORE) for t in types),
+                 "mlp_layer_types", f"needs num_hidden_layers={self.num_hidden_layers} entries of "
+                 f"{MLP_HASH!r} / {MLP_SCORE!r}")
+            need(self.num_hash_layers == types.count(MLP_HASH), "num_hash_layers",
+                 f"disagrees with mlp_layer_types ({types.count(MLP_HASH)} {MLP_HASH!r} layers)")
         need(self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok",
              f"must be <= n_routed_experts={self.n_routed_experts}")
         need(self.n_shared_experts == 1, "n_shared_experts", "DeepSeek-V4 has exactly one shared expert")
@@ -242,14 +260,15 @@ class DeepseekV4Config:
 
         # MoE schedule
         mlp_types = d.pop("mlp_layer_types", None)
-        if mlp_types is not None:
+        if mlp_types is not None:  # any order transformers accepts; __post_init__ folds a hash-first list
+            if not isinstance(mlp_types, (list, tuple)) or len(mlp_types) != n or \
+                    any(t not in (MLP_HASH, MLP_SCORE) for t in mlp_types):
+                raise ValueError(f"DeepseekV4Config.mlp_layer_types: must be {n} entries of {MLP_HASH!r} / "
+                                 f"{MLP_SCORE!r} (got {mlp_types})")
             n_hash = sum(t == MLP_HASH for t in mlp_types)
-            want = [MLP_HASH] * n_hash + [MLP_SCORE] * (len(mlp_types) - n_hash)
-            if list(mlp_types) != want or len(mlp_types) != n:
-                raise ValueError(f"DeepseekV4Config.mlp_layer_types: must be {n} entries, 'hash_moe' layers "
-                                 f"first then 'moe' (got {mlp_types})")
             if d.setdefault("num_hash_layers", n_hash) != n_hash:
                 raise ValueError("DeepseekV4Config.num_hash_layers: disagrees with mlp_layer_types")
+            d["mlp_layer_types"] = list(mlp_types)
 
         # RoPE
         prf = d.pop("partial_rotary_factor", None)
@@ -320,7 +339,7 @@ class DeepseekV4Config:
             raise ValueError(f"DeepseekV4Config.compress_ratios: transformers supports one HCA ratio, got {hca}")
         kinds = {0: LAYER_TYPE_SLIDING, CSA_RATIO: LAYER_TYPE_CSA}
         d = self.to_dict()
-        for k in ("compress_ratios", "num_hash_layers", "qk_rope_head_dim", "rope_scaling", "topk_method",
+        for k in ("compress_ratios", "num_hash_layers", "mlp_layer_types", "qk_rope_head_dim", "rope_scaling", "topk_method",
                   "expert_dtype", "quantization_config", "torch_dtype", "architectures", "model_type",
                   "transformers_version", "compress_rope_theta", "rope_theta"):
             d.pop(k)

@@ -52,7 +52,13 @@ def deepseek_tensor_specs(config: Any) -> list[TensorSpec]:
     E, K, inter = c["n_routed_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"]
     hc, V = c["hc_mult"], c["vocab_size"]
     ratios = c["compress_ratios"]
+    mlp_types = c.get("mlp_layer_types")
     n_hash = c.get("num_hash_layers", 0)
+
+    def is_hash(layer_id: int) -> bool:  # DeepseekV4Config.is_hash_layer on the dict
+        if mlp_types is not None:
+            return layer_id < n_layers and mlp_types[layer_id] == "hash_moe"
+        return layer_id < n_hash
     mix = (2 + hc) * hc
     specs: list[TensorSpec] = []
 
@@ -92,7 +98,7 @@ def deepseek_tensor_specs(config: Any) -> list[TensorSpec]:
             add(a + "indexer.compressor.norm.weight", (cI,), "bf16", "norm")
         f = p + "ffn."
         add(f + "gate.weight", (E, d), "bf16", "linear")
-        if layer_id < n_hash:
+        if is_hash(layer_id):
             add(f + "gate.tid2eid", (V, K), "index", "tid2eid")
         else:
             add(f + "gate.bias", (E,), "fp32", "bias")

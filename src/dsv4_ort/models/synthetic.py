@@ -1,6 +1,6 @@
 """Deterministic random DeepSeek-V4 weights in numpy (no torch), directly in their stored formats.
 
-These are the weights of every synthetic model: :func:`dsv4_ort.models.checkpoint.write_random_checkpoint` writes
+These are the weights of every synthetic model: :func:`dsv4_ort.models.random_checkpoint.write_random_checkpoint` writes
 them to safetensors (through torch) and ``export_model(None, out, preset=...)`` exports them straight from here, so
 a preset export and the export of a random checkpoint with the same seed are the same model.
 
@@ -160,7 +160,7 @@ def random_arrays(config: Any, weights: str = "native", seed: int = 0,
                   names: Iterable[str] | None = None) -> Iterator[ArrayTensor]:
     """Every tensor of the model (MTP included, DeepSeek naming, file order) as :class:`ArrayTensor`, one at a
     time; ``names``: only these. ``weights``: ``native`` (the release formats), ``fp8``, ``bf16`` or ``fp32``
-    (see :func:`dsv4_ort.models.checkpoint.write_random_checkpoint`)."""
+    (see :func:`dsv4_ort.models.random_checkpoint.write_random_checkpoint`)."""
     if weights not in WEIGHT_MODES:
         raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
     c = cfg_dict(config)

@@ -14,7 +14,7 @@ from model_fixtures import REL_TOL, OrtModel, one_torch_thread, random_ids, refe
 def layer(request, tmp_path_factory):
     require_library()
     from dsv4_ort.export import export_model
-    from dsv4_ort.models.checkpoint import load_model, write_random_checkpoint
+    from dsv4_ort.models import load_model, write_random_checkpoint
     from dsv4_ort.models.config import DeepseekV4Config
 
     kind, ratio = request.param
