@@ -3,9 +3,51 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 from testutil import available_isa_levels, library_info
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _stale_or_shadowed() -> str | None:
+    """Why the dsv4_ort the tests would import is not this checkout's code, or None.
+
+    The package is imported from the install (src layout: a checkout's root never shadows it). An install of other
+    Python sources, or a custom-op library built before the checkout's C++ last changed, would test something else.
+    """
+    import dsv4_ort
+
+    pkg = Path(dsv4_ort.__file__).resolve().parent
+    src = REPO / "src" / "dsv4_ort"
+    hint = "reinstall with `pip install '.[export,test]'`, or use the editable install of README's Development section"
+    if pkg != src and src.is_dir():
+        for f in sorted(src.rglob("*.py")):
+            twin = pkg / f.relative_to(src)
+            if not twin.is_file() or twin.read_bytes() != f.read_bytes():
+                return f"dsv4_ort is imported from {pkg}, whose {f.relative_to(src)} differs from this checkout's; {hint}"
+    if os.environ.get("DSV4_ORT_LIBRARY"):
+        return None  # an explicit library (the sanitizer build, a C++ developer's build) is the one meant
+    try:
+        lib = Path(dsv4_ort.get_library_path())
+    except FileNotFoundError as e:
+        return f"{e}; {hint}"
+    sources = [p for d in ("custom_ops", "src/dsv4_ort/export") for p in (REPO / d).rglob("*")
+               if p.suffix in (".cc", ".h", ".inc", ".json", ".txt", ".lds")]
+    newest = max(sources, key=lambda p: p.stat().st_mtime, default=None)
+    if newest is not None and newest.stat().st_mtime > lib.stat().st_mtime + 1:
+        return f"the custom-op library {lib} is older than {newest.relative_to(REPO)}; rebuild it: {hint}"
+    return None
+
+
+def pytest_configure(config):
+    if os.environ.get("DSV4_ORT_SKIP_STALE_CHECK"):
+        return
+    why = _stale_or_shadowed()
+    if why:
+        pytest.exit(f"dsv4_ort under test is not this checkout: {why}", returncode=4)
 
 
 def pytest_report_header(config):

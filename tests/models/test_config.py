@@ -140,7 +140,7 @@ BAD = [
     ({"layer_types": ["sliding_attention", "compressed_sparse_attention", "oops", "sliding_attention"]},
      "layer_types"),
     ({"layer_types": ["sliding_attention"] * 3}, "layer_types"),
-    ({"mlp_layer_types": ["moe", "hash_moe", "moe", "moe"]}, "mlp_layer_types"),
+    ({"mlp_layer_types": ["moe", "hash", "moe", "moe"]}, "mlp_layer_types"),
     ({"compress_rates": {"compressed_sparse_attention": 8}}, "compress_rates"),
     ({"no_such_key": 1}, "no_such_key"),
 ]
