@@ -182,19 +182,22 @@ class Session:
 
     def new_state(self, batch_size: int = 1) -> State:
         """Fresh, zeroed state for ``batch_size`` sequences; reuse it across calls to continue them."""
-        return State(self.meta, batch_size)
+        return State(self.meta, batch_size, self.session)
 
     def _run(self, ids: np.ndarray, state: State) -> np.ndarray:
         import onnxruntime as ort
 
         B, S = ids.shape
-        io = self.session.io_binding()
-        io.bind_ortvalue_input("input_ids", ort.OrtValue.ortvalue_from_numpy(ids))
-        io.bind_ortvalue_input("start_pos", ort.OrtValue.ortvalue_from_numpy(state.positions.copy()))
-        for in_name, out_name, _, value in state.tensors:
-            io.bind_ortvalue_input(in_name, value)
-            io.bind_ortvalue_output(out_name, value)
+        if state.owner is not self.session:  # a state of another session of the same model moves here once
+            if state.layout != [(t["input"], t["output"], t["dtype"], list(t["shape"]))
+                                for t in self.meta["state"]["tensors"]]:
+                raise ValueError("the state belongs to a model with other state tensors (use Session.new_state)")
+            state.bind(self.session)
+        io = state.binding  # state tensors and start_pos are bound once (State)
+        ids_value = ort.OrtValue.ortvalue_from_numpy(ids)
         logits = np.empty((B, S if self.logits_mode == "all" else 1, self.vocab_size), np.float32)
+        state._run_buffers = (ids, ids_value, logits)  # alive for the run on every onnxruntime
+        io.bind_ortvalue_input("input_ids", ids_value)
         io.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
         self.session.run_with_iobinding(io)
         state.positions += S

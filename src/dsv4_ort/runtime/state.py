@@ -25,7 +25,7 @@ STORAGE = {
 class State:
     """The state of ``batch_size`` sequences for one session (see :meth:`Session.new_state`)."""
 
-    def __init__(self, meta: dict, batch_size: int):
+    def __init__(self, meta: dict, batch_size: int, session=None):
         import onnxruntime as ort
 
         if batch_size < 1:
@@ -43,6 +43,26 @@ class State:
             buf = np.zeros(shape, np_dtype)
             value = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(buf, onnx_type)
             self.tensors.append((t["input"], t["output"], buf, value))
+        self.layout = [(t["input"], t["output"], t["dtype"], list(t["shape"])) for t in meta["state"]["tensors"]]
+        self.binding = self.owner = None
+        if session is not None:
+            self.bind(session)
+        self._run_buffers = ()
+
+    def bind(self, session) -> None:
+        """Binds this state to an onnxruntime session once: every state tensor as both past and present, and
+        ``start_pos`` over ``positions`` itself (read at each run). Only input_ids and logits change shape, so only
+        they are rebound per run, from buffers this object keeps alive until the next run (before onnxruntime 1.30
+        a binding holds no reference to a numpy array it was given)."""
+        import onnxruntime as ort
+
+        binding = session.io_binding()
+        self._start_pos = ort.OrtValue.ortvalue_from_numpy(self.positions)
+        binding.bind_ortvalue_input("start_pos", self._start_pos)
+        for in_name, out_name, _, value in self.tensors:
+            binding.bind_ortvalue_input(in_name, value)
+            binding.bind_ortvalue_output(out_name, value)
+        self.binding, self.owner = binding, session
 
     @property
     def nbytes(self) -> int:
