@@ -8,7 +8,7 @@ import torch
 from onnx_helpers import bf16, bf16_to_f32, run_op, run_op_inplace, session_error
 
 from testutil import tol
-from dsv4_ort.models import functional as F
+from dsv4_ort.models import functional as Fn
 
 # name -> (ratio r, coff, entry width c, rope channels rd, capacity N)
 CONFIGS = {
@@ -69,7 +69,7 @@ class Layer:
         w = torch.from_numpy(self.norm_weight)
         if weight_dtype == "bfloat16":
             w = w.to(torch.bfloat16)
-        out = F.compressor_step(torch.from_numpy(kv), torch.from_numpy(score), torch.from_numpy(self.ape), w,
+        out = Fn.compressor_step(torch.from_numpy(kv), torch.from_numpy(score), torch.from_numpy(self.ape), w,
                                 torch.from_numpy(self.inv_freq), torch.from_numpy(state[1].copy()),
                                 torch.from_numpy(state[2].copy()), torch.from_numpy(entries.copy()),
                                 torch.as_tensor(np.asarray(start_pos, np.int64)), rms_eps=EPS)
@@ -244,7 +244,7 @@ def test_compressor_model_sizes(isa, c, rd, ratio, coff, S):
         kvh = rng.standard_normal((1, sp, W)).astype(np.float32)
         sch = rng.standard_normal((1, sp, W)).astype(np.float32)
         fresh = [torch.zeros(1, N, c), torch.zeros(1, coff * ratio, W), torch.full((1, coff * ratio, W), -np.inf)]
-        e, k, z = F.compressor_step(torch.from_numpy(kvh), torch.from_numpy(sch), torch.from_numpy(ape),
+        e, k, z = Fn.compressor_step(torch.from_numpy(kvh), torch.from_numpy(sch), torch.from_numpy(ape),
                                     torch.from_numpy(w), torch.from_numpy(freqs), fresh[1], fresh[2], fresh[0],
                                     torch.tensor([0]), rms_eps=EPS)
         state.append((e.numpy(), k.numpy(), z.numpy()))
@@ -255,7 +255,7 @@ def test_compressor_model_sizes(isa, c, rd, ratio, coff, S):
              "start_pos": np.array(start, np.int64), "past_entries": entries, "past_kv_state": kv_state,
              "past_score_state": score_state}
     got = run_op("Compressor", feeds, dict(rms_eps=EPS), isa)
-    ref = F.compressor_step(*(torch.from_numpy(a) for a in (kv, score, ape, w, freqs, kv_state, score_state, entries)),
+    ref = Fn.compressor_step(*(torch.from_numpy(a) for a in (kv, score, ape, w, freqs, kv_state, score_state, entries)),
                             torch.tensor(start), rms_eps=EPS)
     np.testing.assert_allclose(got[0], ref[0].numpy(), **tol("float32_reduction"))
     emitted = [(sp + S) // ratio > sp // ratio for sp in start]

@@ -10,10 +10,10 @@ import torch
 from onnx_helpers import bf16, bf16_to_f32, run_op, run_op_inplace, session_error
 
 from testutil import tol
-from dsv4_ort.models import functional as F
+from dsv4_ort.models import functional as Fn
 
 H, D, RD, N_WIN = 3, 192, 64, 8  # D - RD = 128: two E8M0 scales (+ 6 pad bytes) per entry
-ROW = F.fp8_entry_bytes(D, RD)
+ROW = Fn.fp8_entry_bytes(D, RD)
 INV_FREQ = (1.0 / 160000.0 ** (np.arange(0, RD, 2, dtype=np.float32) / RD)).astype(np.float32)
 WIN_ALIAS = {"present_window": "past_window"}
 
@@ -81,25 +81,25 @@ def test_quantiser_matches_numpy_ml_dtypes():
     the quantise-dequantise used at the write points."""
     x = special_rows(np.random.default_rng(0))
     want = np_entry_encode(x, RD)
-    got = F.fp8_entry_encode(torch.from_numpy(x), RD).numpy()
+    got = Fn.fp8_entry_encode(torch.from_numpy(x), RD).numpy()
     np.testing.assert_array_equal(got, want)
-    dec = F.fp8_entry_decode(torch.from_numpy(got), D, RD)
-    np.testing.assert_array_equal(dec.numpy(), F.fp8_entry_qdq(torch.from_numpy(x), RD).numpy())
+    dec = Fn.fp8_entry_decode(torch.from_numpy(got), D, RD)
+    np.testing.assert_array_equal(dec.numpy(), Fn.fp8_entry_qdq(torch.from_numpy(x), RD).numpy())
     # index keys: whole-key scale, then the float32 scale bytes
     keys = x[:, :128]
     e = np_scale_exponent(np.abs(keys).max(-1))
     scale = np.ldexp(np.float32(1), e).astype(np.float32)
     want_k = np.concatenate([np_e4m3(keys / scale[:, None]), scale[:, None].view(np.uint8)], axis=-1)
-    got_k = F.fp8_index_encode(torch.from_numpy(keys)).numpy()
+    got_k = Fn.fp8_index_encode(torch.from_numpy(keys)).numpy()
     np.testing.assert_array_equal(got_k, want_k)
-    np.testing.assert_array_equal(F.fp8_index_decode(torch.from_numpy(got_k), 128).numpy(),
-                                  F.fp8_index_qdq(torch.from_numpy(keys)).numpy())
+    np.testing.assert_array_equal(Fn.fp8_index_decode(torch.from_numpy(got_k), 128).numpy(),
+                                  Fn.fp8_index_qdq(torch.from_numpy(keys)).numpy())
 
 
 def test_quantiser_rules():
     """Scale rule, zero block, saturation bound and RNE ties stated directly."""
     x = special_rows(np.random.default_rng(1))
-    b = F.fp8_entry_encode(torch.from_numpy(x), RD).numpy()
+    b = Fn.fp8_entry_encode(torch.from_numpy(x), RD).numpy()
     scales = b[:, 128 + 2 * RD: 128 + 2 * RD + 2].astype(int) - 127
     floor_e = int(np.ceil(np.log2(np.float32(1e-4) / np.float32(448))))
     assert scales[0].tolist() == [floor_e, floor_e] and not b[0, :128].any()  # zero block: floor scale, zero codes
@@ -108,7 +108,7 @@ def test_quantiser_rules():
     assert scales[3, 0] == -2  # one ulp above: the next power of two
     assert b[2, 0] == 0x7E and b[2, 64] == 0xFE  # +-448 codes at the block maximum
     assert (b[:, 128 + 2 * RD + 2: ROW] == 0).all()  # pad bytes
-    dec = F.fp8_entry_decode(torch.from_numpy(b), D, RD).numpy()
+    dec = Fn.fp8_entry_decode(torch.from_numpy(b), D, RD).numpy()
     # RNE ties: 1.0625 -> 1.0, 1.1875 -> 1.25, 3 * 2^-10 -> 2^-8 (subnormal, even), 5 * 2^-10 -> 2^-8 (even), 2^-10 -> 0
     np.testing.assert_array_equal(dec[4, 1:8], [1.0, 1.25, -1.0, 2.0**-8, 2.0**-8, 0.0, 16.0])
     np.testing.assert_array_equal(dec[4, 65:69], [4.0, 5.0, 2.0**-6, 0.0])
@@ -125,7 +125,7 @@ def test_quantiser_non_finite():
     x = np.zeros((1, D), np.float32)
     x[0, :3] = [np.inf, 1.0, -2.0]
     x[0, 64:66] = [np.nan, 3.0]
-    dec = F.fp8_entry_qdq(torch.from_numpy(x), RD).numpy()
+    dec = Fn.fp8_entry_qdq(torch.from_numpy(x), RD).numpy()
     assert dec[0, 0] == np.inf and dec[0, 1] == 0 and np.isnan(dec[0, 64]) and dec[0, 65] == 0
 
 
@@ -133,11 +133,11 @@ def test_quantiser_non_finite():
 
 
 def enc(x):
-    return F.fp8_entry_encode(torch.from_numpy(np.asarray(x, np.float32)), RD).numpy()
+    return Fn.fp8_entry_encode(torch.from_numpy(np.asarray(x, np.float32)), RD).numpy()
 
 
 def dec(b):
-    return F.fp8_entry_decode(torch.from_numpy(np.ascontiguousarray(b)), D, RD).numpy()
+    return Fn.fp8_entry_decode(torch.from_numpy(np.ascontiguousarray(b)), D, RD).numpy()
 
 
 class AttnCase:
@@ -164,7 +164,7 @@ class AttnCase:
 
         ent = None if f["entries"] is None else torch.from_numpy(dec(f["entries"])).to(tt)
         idx = None if f["indices"] is None else torch.from_numpy(f["indices"])
-        o, win = F.sparse_attention(t(f["q"]), t(f["kv"]), torch.from_numpy(dec(f["past_window"])).to(tt), ent, idx,
+        o, win = Fn.sparse_attention(t(f["q"]), t(f["kv"]), torch.from_numpy(dec(f["past_window"])).to(tt), ent, idx,
                                     torch.from_numpy(f["sink"]), torch.from_numpy(INV_FREQ),
                                     torch.from_numpy(f["start_pos"]), ratio=ratio, fp8_window=True)
         return o.float().numpy(), win.float().numpy()
@@ -235,7 +235,7 @@ def test_sparse_attention_fp8_in_place_decode_steps(isa):
         f = {"q": q, "kv": kv, "past_window": window, "entries": c.entries, "indices": None, "sink": c.sink,
              "inv_freq": INV_FREQ, "start_pos": start + t}
         got = run_op_inplace("SparseAttention", f, WIN_ALIAS, dict(ratio=4), isa)
-        o, ref_win = F.sparse_attention(torch.from_numpy(q), torch.from_numpy(kv), ref_win, ent, None,
+        o, ref_win = Fn.sparse_attention(torch.from_numpy(q), torch.from_numpy(kv), ref_win, ent, None,
                                         torch.from_numpy(c.sink), torch.from_numpy(INV_FREQ),
                                         torch.from_numpy(start + t), ratio=4, fp8_window=True)
         np.testing.assert_allclose(got[0], o.numpy(), **tol("float32_reduction"))
@@ -276,16 +276,16 @@ def test_indexer_fp8_keys(isa, dtype, shape):
     ratio, topk = 4, 6
     qf = rng.standard_normal((B, S, nI, cI)).astype(np.float32)
     keys_f = (rng.standard_normal((B, N, cI)) * rng.uniform(0.01, 30, (B, N, 1))).astype(np.float32)
-    keys = F.fp8_index_encode(torch.from_numpy(keys_f)).numpy()
+    keys = Fn.fp8_index_encode(torch.from_numpy(keys_f)).numpy()
     w = rng.standard_normal((B, S, nI)).astype(np.float32)
     start_pos = np.array([4 * N - S - b * 7 for b in range(B)], np.int64)
     q = bf16(qf) if dtype == "bfloat16" else qf
     (got,) = run_op("Indexer", {"q": q, "weights": w, "keys": keys, "start_pos": start_pos},
                     dict(ratio=ratio, index_topk=topk), isa)
-    kd = F.fp8_index_decode(torch.from_numpy(keys), cI)
+    kd = Fn.fp8_index_decode(torch.from_numpy(keys), cI)
     tq = torch.from_numpy(bf16_to_f32(q) if dtype == "bfloat16" else q)
     tq = tq.to(torch.bfloat16) if dtype == "bfloat16" else tq
-    ref = F.indexer_topk(tq, torch.from_numpy(w), kd.to(tq.dtype), torch.from_numpy(start_pos), ratio=ratio,
+    ref = Fn.indexer_topk(tq, torch.from_numpy(w), kd.to(tq.dtype), torch.from_numpy(start_pos), ratio=ratio,
                          index_topk=topk).numpy()
     qd = tq.double().numpy()
     s = np.einsum("bshc,bnc->bshn", qd, kd.double().numpy())
@@ -336,11 +336,11 @@ class Cmp:
 
     def encode(self, e):
         t = torch.from_numpy(np.ascontiguousarray(e, np.float32))
-        return (F.fp8_index_encode(t) if self.layout == "index" else F.fp8_entry_encode(t, self.rd)).numpy()
+        return (Fn.fp8_index_encode(t) if self.layout == "index" else Fn.fp8_entry_encode(t, self.rd)).numpy()
 
     def decode(self, b):
         t = torch.from_numpy(np.ascontiguousarray(b))
-        return (F.fp8_index_decode(t, self.c) if self.layout == "index" else F.fp8_entry_decode(t, self.c, self.rd)
+        return (Fn.fp8_index_decode(t, self.c) if self.layout == "index" else Fn.fp8_entry_decode(t, self.c, self.rd)
                 ).numpy()
 
     def tokens(self, B, S):
@@ -348,7 +348,7 @@ class Cmp:
                 (self.rng.standard_normal((B, S, self.W)) * 2).astype(np.float32))
 
     def spec(self, kv, score, start_pos, state_f32):
-        out = F.compressor_step(torch.from_numpy(kv), torch.from_numpy(score), torch.from_numpy(self.ape),
+        out = Fn.compressor_step(torch.from_numpy(kv), torch.from_numpy(score), torch.from_numpy(self.ape),
                                 torch.from_numpy(self.norm_weight), torch.from_numpy(self.inv_freq),
                                 torch.from_numpy(state_f32[1].copy()), torch.from_numpy(state_f32[2].copy()),
                                 torch.from_numpy(state_f32[0].copy()), torch.as_tensor(np.asarray(start_pos)),
@@ -429,7 +429,7 @@ def test_compressor_fp8_errors():
     st = layer.history([0])
     bad = [st[0][:, :, :-1].copy(), st[1], st[2]]
     msg = session_error("Compressor", layer.feeds(kv, score, [0], bad), dict(rms_eps=1e-6))
-    assert "Compressor" in msg and "past_entries" in msg and str(F.fp8_entry_bytes(128, 64)) in msg
+    assert "Compressor" in msg and "past_entries" in msg and str(Fn.fp8_entry_bytes(128, 64)) in msg
     msg = session_error("Compressor", layer.feeds(kv, score, [0], st), dict(rms_eps=1e-6, fp8_layout="index"))
     assert "Compressor" in msg and "past_entries" in msg and "132" in msg
     msg = session_error("Compressor", layer.feeds(kv, score, [0], st), dict(rms_eps=1e-6, fp8_layout="paged"))

@@ -6,7 +6,7 @@ import torch
 from onnx_helpers import bf16, bf16_to_f32, run_op, session_error
 
 from testutil import tol
-from dsv4_ort.models import functional as F
+from dsv4_ort.models import functional as Fn
 
 
 def hc_params(rng, hc, d, heads):
@@ -31,7 +31,7 @@ def test_hc_pre(isa, lead, hc, d, dtype):
     xt = torch.from_numpy(bf16_to_f32(xin) if dtype == "bfloat16" else x)
     if dtype == "bfloat16":
         xt = xt.to(torch.bfloat16)
-    rh, rpost, rcomb = F.hc_pre(xt, torch.from_numpy(fn), torch.from_numpy(scale), torch.from_numpy(base),
+    rh, rpost, rcomb = Fn.hc_pre(xt, torch.from_numpy(fn), torch.from_numpy(scale), torch.from_numpy(base),
                                 rms_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20)
     assert h.shape == tuple(rh.shape) and post.shape == (*lead, hc) and comb.shape == (*lead, hc, hc)
     np.testing.assert_allclose(post, rpost.float().numpy(), **tol("float32_reduction"))
@@ -54,7 +54,7 @@ def test_hc_post(isa, lead, hc, d, dtype):
     tf, tr = torch.from_numpy(f), torch.from_numpy(r)
     if dtype == "bfloat16":
         tf, tr = tf.to(torch.bfloat16), tr.to(torch.bfloat16)
-    ref = F.hc_post(tf, tr, torch.from_numpy(post), torch.from_numpy(comb))
+    ref = Fn.hc_post(tf, tr, torch.from_numpy(post), torch.from_numpy(comb))
     np.testing.assert_allclose(out, ref.float().numpy(), **tol("bfloat16" if dtype == "bfloat16" else "float32"))
 
 
@@ -67,7 +67,7 @@ def test_hc_head(isa, lead, hc, d, dtype):
     xin = bf16(x) if dtype == "bfloat16" else x
     (y,) = run_op("HcHead", {"x": xin, "fn": fn, "scale": scale, "base": base}, dict(rms_eps=1e-6, hc_eps=1e-6), isa)
     xt = torch.from_numpy(bf16_to_f32(xin)).to(torch.bfloat16) if dtype == "bfloat16" else torch.from_numpy(x)
-    ref = F.hc_head(xt, torch.from_numpy(fn), torch.from_numpy(scale), torch.from_numpy(base), rms_eps=1e-6,
+    ref = Fn.hc_head(xt, torch.from_numpy(fn), torch.from_numpy(scale), torch.from_numpy(base), rms_eps=1e-6,
                     hc_eps=1e-6)
     np.testing.assert_allclose(y, ref.float().numpy(), **tol("bfloat16" if dtype == "bfloat16" else "float32_reduction"))
 

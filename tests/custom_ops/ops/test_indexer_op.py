@@ -7,14 +7,14 @@ import pytest
 import torch
 from onnx_helpers import bf16, bf16_to_f32, run_op, session_error
 
-from dsv4_ort.models import functional as F
+from dsv4_ort.models import functional as Fn
 
 
 def spec(q, weights, keys, start_pos, ratio, topk):
     def t(a):
         return torch.from_numpy(bf16_to_f32(a)).to(torch.bfloat16) if a.dtype == np.uint16 else torch.from_numpy(a)
 
-    return F.indexer_topk(t(q), t(weights), t(keys), torch.from_numpy(start_pos), ratio=ratio,
+    return Fn.indexer_topk(t(q), t(weights), t(keys), torch.from_numpy(start_pos), ratio=ratio,
                           index_topk=topk).numpy()
 
 

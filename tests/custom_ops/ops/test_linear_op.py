@@ -8,7 +8,7 @@ from onnx_helpers import bf16, bf16_to_f32, fp8_e4m3, run_op, run_op_const, sess
 from weight_formats import FORMATS, SUFFIX, make_weight
 
 from testutil import tol
-from dsv4_ort.models import functional as F
+from dsv4_ort.models import functional as Fn
 from dsv4_ort.models import quant
 
 
@@ -28,10 +28,10 @@ def reference(xt, wt, groups, block):
     """functional.linear, once per group for groups > 1 (on the exact dequantised weight)."""
     if groups == 1:
         args = wt.torch_args
-        return F.linear(xt, *args, fp8_block=block) if len(args) == 2 else F.linear(xt, args[0])
+        return Fn.linear(xt, *args, fp8_block=block) if len(args) == 2 else Fn.linear(xt, args[0])
     n, kw = wt.dense.shape
     ng = n // groups
-    return torch.cat([F.linear(xt[..., g * kw:(g + 1) * kw], wt.dense[g * ng:(g + 1) * ng]) for g in range(groups)],
+    return torch.cat([Fn.linear(xt[..., g * kw:(g + 1) * kw], wt.dense[g * ng:(g + 1) * ng]) for g in range(groups)],
                      dim=-1)
 
 
@@ -112,7 +112,7 @@ def test_linear_groups_is_grouped_out_proj(isa, dtype):
     fmt = "bf16" if dtype == "bfloat16" else "f32"
     wt = make_weight(wo_a, fmt)
     y = run_linear(fmt, x.reshape(b, s, h * d), wt, groups=g, isa=isa)
-    ref = F.grouped_out_proj(ot, wt.torch_args[0], torch.eye(g * dg, dtype=ot.dtype), n_groups=g)
+    ref = Fn.grouped_out_proj(ot, wt.torch_args[0], torch.eye(g * dg, dtype=ot.dtype), n_groups=g)
     check(y, ref, dtype)
 
 
@@ -208,7 +208,7 @@ def test_fp4_nibble_order():
     x[0, 0], x[0, 1] = 1.0, 10.0
     (y,) = run_op("LinearFp4", {"x": x, "weight": packed, "scale": np.full((1, 1), 127, np.uint8)})
     np.testing.assert_array_equal(y, [[1.0 + 60.0]])
-    ref = F.linear(torch.from_numpy(x), torch.from_numpy(packed), torch.full((1, 1), 127, dtype=torch.uint8))
+    ref = Fn.linear(torch.from_numpy(x), torch.from_numpy(packed), torch.full((1, 1), 127, dtype=torch.uint8))
     np.testing.assert_array_equal(y, ref.numpy())
 
 

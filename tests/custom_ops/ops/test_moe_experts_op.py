@@ -8,7 +8,7 @@ from onnx_helpers import bf16, bf16_to_f32, fp8_e4m3, run_op, run_op_const, sess
 from weight_formats import FORMATS, SUFFIX, make_stacked
 
 from testutil import tol
-from dsv4_ort.models import functional as F
+from dsv4_ort.models import functional as Fn
 
 
 def activations(rng, tokens, dim, dtype):
@@ -52,8 +52,8 @@ def run_moe(fmt, x, weights, indices, ws, limit=None, block=128, isa=None, threa
 def reference(xt, weights, indices, ws, limit=10.0):
     w1, w2, w3 = (w.dense for w in ws)
     if indices is None:
-        return F.expert_ffn(xt, w1[0], w2[0], w3[0], swiglu_limit=limit)
-    return F.moe_ffn(xt, torch.from_numpy(weights), torch.from_numpy(indices), w1, w2, w3, swiglu_limit=limit)
+        return Fn.expert_ffn(xt, w1[0], w2[0], w3[0], swiglu_limit=limit)
+    return Fn.moe_ffn(xt, torch.from_numpy(weights), torch.from_numpy(indices), w1, w2, w3, swiglu_limit=limit)
 
 
 def check(y, ref, dtype):

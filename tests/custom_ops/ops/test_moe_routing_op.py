@@ -6,7 +6,7 @@ import torch
 from onnx_helpers import run_op, session_error
 
 from testutil import tol
-from dsv4_ort.models import functional as F
+from dsv4_ort.models import functional as Fn
 
 SCORINGS = ["sqrtsoftplus", "softmax", "sigmoid"]
 
@@ -26,7 +26,7 @@ def test_topk_matches_reference(isa, scoring, tokens, experts, k, use_bias):
     bias = (rng.permutation(experts) * 1e-2).astype(np.float32) if use_bias else None
     attrs = dict(top_k=k, scoring=scoring, norm_topk_prob=1, routed_scaling_factor=1.5)
     w, idx = run_op("MoeRouteTopK", {"logits": logits, "bias": bias}, attrs, isa)
-    rw, ridx = F.route_topk(torch.from_numpy(logits), None if bias is None else torch.from_numpy(bias), top_k=k,
+    rw, ridx = Fn.route_topk(torch.from_numpy(logits), None if bias is None else torch.from_numpy(bias), top_k=k,
                             scoring=scoring, norm_topk_prob=True, routed_scaling_factor=1.5)
     np.testing.assert_array_equal(idx, ridx.numpy())
     np.testing.assert_allclose(w, rw.numpy(), **tol("float32"))
@@ -37,7 +37,7 @@ def test_topk_without_renormalisation(isa, norm):
     rng = np.random.default_rng(7)
     logits = tie_free_logits(rng, 6, 32)
     w, idx = run_op("MoeRouteTopK", {"logits": logits}, dict(top_k=4, norm_topk_prob=norm, routed_scaling_factor=2.5), isa)
-    rw, ridx = F.route_topk(torch.from_numpy(logits), None, top_k=4, scoring="sqrtsoftplus", norm_topk_prob=bool(norm),
+    rw, ridx = Fn.route_topk(torch.from_numpy(logits), None, top_k=4, scoring="sqrtsoftplus", norm_topk_prob=bool(norm),
                             routed_scaling_factor=2.5)
     np.testing.assert_array_equal(idx, ridx.numpy())
     np.testing.assert_allclose(w, rw.numpy(), **tol("float32"))
@@ -54,7 +54,7 @@ def test_topk_ties_pick_lowest_index(isa):
     logits[0, [30, 1]] = 1.0
     _, idx = run_op("MoeRouteTopK", {"logits": logits}, dict(top_k=3), isa)
     np.testing.assert_array_equal(idx, [[3, 9, 1]])
-    _, ridx = F.route_topk(torch.from_numpy(logits), None, top_k=3, scoring="sqrtsoftplus", norm_topk_prob=True,
+    _, ridx = Fn.route_topk(torch.from_numpy(logits), None, top_k=3, scoring="sqrtsoftplus", norm_topk_prob=True,
                            routed_scaling_factor=1.0)
     np.testing.assert_array_equal(ridx.numpy(), [[3, 9, 1]])
 
@@ -83,7 +83,7 @@ def test_hash_matches_reference(isa, scoring, table_dtype):
     ids = rng.integers(0, vocab, tokens).astype(np.int64)
     attrs = dict(scoring=scoring, routed_scaling_factor=1.5)
     w, idx = run_op("MoeRouteHash", {"logits": logits, "input_ids": ids, "tid2eid": table}, attrs, isa)
-    rw, ridx = F.route_hash(torch.from_numpy(logits), torch.from_numpy(ids), torch.from_numpy(table), scoring=scoring,
+    rw, ridx = Fn.route_hash(torch.from_numpy(logits), torch.from_numpy(ids), torch.from_numpy(table), scoring=scoring,
                             norm_topk_prob=True, routed_scaling_factor=1.5)
     np.testing.assert_array_equal(idx, ridx.numpy())
     np.testing.assert_array_equal(idx, table[ids])

@@ -6,7 +6,7 @@ import torch
 from onnx_helpers import bf16, bf16_to_f32, run_op, session_error
 
 from testutil import tol
-from dsv4_ort.models import functional as F
+from dsv4_ort.models import functional as Fn
 
 
 def as_input(a, dtype):
@@ -26,7 +26,7 @@ def inv_freq(rd, base=10000.0):
 
 def cos_sin(start_pos, S, freqs):
     pos = torch.from_numpy(start_pos)[:, None] + torch.arange(S)
-    return F.rope_cos_sin(pos, torch.from_numpy(freqs))
+    return Fn.rope_cos_sin(pos, torch.from_numpy(freqs))
 
 
 def check(out, ref, dtype, kind="float32"):
@@ -45,7 +45,7 @@ def test_rms_norm(isa, shape, dtype, weight):
     w = rng.uniform(0.5, 1.5, shape[-1]).astype(np.float32) if weight else None
     (y,) = run_op("RmsNorm", {"x": as_input(x, dtype), "weight": None if w is None else as_input(w, weight)},
                   dict(eps=1e-6), isa)
-    ref = F.rms_norm(as_torch(x, dtype), None if w is None else as_torch(w, weight), 1e-6)
+    ref = Fn.rms_norm(as_torch(x, dtype), None if w is None else as_torch(w, weight), 1e-6)
     check(y, ref, dtype, "float32_reduction")
 
 
@@ -83,13 +83,13 @@ def test_norm_rope(isa, shape, rd, weight, dtype):
     xt = as_torch(x, dtype)
     if len(shape) == 4:
         wt = None if w is None else as_torch(w, weight)
-        ref = F.apply_rope(F.rms_norm(xt, wt, 1e-6), cos.unsqueeze(-2), sin.unsqueeze(-2))
+        ref = Fn.apply_rope(Fn.rms_norm(xt, wt, 1e-6), cos.unsqueeze(-2), sin.unsqueeze(-2))
         if w is None:
-            ref_q = F.q_norm_rope(xt, cos, sin, rms_eps=1e-6)
+            ref_q = Fn.q_norm_rope(xt, cos, sin, rms_eps=1e-6)
             assert torch.equal(ref, ref_q)
     else:
         wt = torch.ones(D) if w is None else as_torch(w, weight)
-        ref = F.kv_norm_rope(xt, wt, cos, sin, rms_eps=1e-6)
+        ref = Fn.kv_norm_rope(xt, wt, cos, sin, rms_eps=1e-6)
     check(y, ref, dtype, "float32_reduction")
 
 
@@ -100,7 +100,7 @@ def test_norm_rope_matches_model_attention_prep(isa):
     cfg = SimpleNamespace(qk_rope_head_dim=16, rope_theta=10000.0, compress_rope_theta=160000.0,
                           rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
                                         "beta_fast": 32, "beta_slow": 1})
-    freqs = F.rope_freqs(cfg, compressed=True).numpy()
+    freqs = Fn.rope_freqs(cfg, compressed=True).numpy()
     rng = np.random.default_rng(3)
     q = rng.standard_normal((2, 3, 4, 48)).astype(np.float32)
     kv = rng.standard_normal((2, 3, 48)).astype(np.float32)
@@ -109,8 +109,8 @@ def test_norm_rope_matches_model_attention_prep(isa):
     (yq,) = run_op("NormRope", {"x": q, "start_pos": start_pos, "inv_freq": freqs}, dict(eps=1e-6), isa)
     (ykv,) = run_op("NormRope", {"x": kv, "weight": w, "start_pos": start_pos, "inv_freq": freqs}, dict(eps=1e-6), isa)
     cos, sin = cos_sin(start_pos, 3, freqs)
-    check(yq, F.q_norm_rope(torch.from_numpy(q), cos, sin, rms_eps=1e-6), "float32", "float32_reduction")
-    check(ykv, F.kv_norm_rope(torch.from_numpy(kv), torch.from_numpy(w), cos, sin, rms_eps=1e-6), "float32",
+    check(yq, Fn.q_norm_rope(torch.from_numpy(q), cos, sin, rms_eps=1e-6), "float32", "float32_reduction")
+    check(ykv, Fn.kv_norm_rope(torch.from_numpy(kv), torch.from_numpy(w), cos, sin, rms_eps=1e-6), "float32",
           "float32_reduction")
 
 
@@ -132,7 +132,7 @@ def test_rope(isa, shape, rd, dtype, inverse):
     cos, sin = cos_sin(start_pos, S, freqs)
     for _ in range(len(shape) - 3):
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    ref = F.apply_rope(as_torch(x, dtype), cos, sin, inverse=bool(inverse))
+    ref = Fn.apply_rope(as_torch(x, dtype), cos, sin, inverse=bool(inverse))
     check(y, ref, dtype)
     if dtype == "float32":  # the channels before the rope slice are copied bit for bit
         np.testing.assert_array_equal(y[..., : shape[-1] - rd], x[..., : shape[-1] - rd])

@@ -8,7 +8,7 @@ import torch
 from onnx_helpers import bf16, bf16_to_f32, run_op, run_op_inplace, session_error
 
 from testutil import tol
-from dsv4_ort.models import functional as F
+from dsv4_ort.models import functional as Fn
 
 H, D, RD, N_WIN = 3, 24, 8, 8
 INV_FREQ = (1.0 / 160000.0 ** (np.arange(0, RD, 2, dtype=np.float32) / RD)).astype(np.float32)
@@ -27,7 +27,7 @@ def feeds(q, kv, window, entries, indices, sink, start_pos, inv_freq=INV_FREQ):
 
 
 def spec(f, ratio, softmax_scale=None):
-    o, win = F.sparse_attention(to_torch(f["q"]), to_torch(f["kv"]), to_torch(f["past_window"]),
+    o, win = Fn.sparse_attention(to_torch(f["q"]), to_torch(f["kv"]), to_torch(f["past_window"]),
                                 to_torch(f["entries"]), to_torch(f["indices"]), torch.from_numpy(f["sink"]),
                                 torch.from_numpy(f["inv_freq"]), torch.from_numpy(f["start_pos"]), ratio=ratio,
                                 softmax_scale=softmax_scale)
