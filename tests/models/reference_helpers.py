@@ -76,3 +76,15 @@ def randomize_hf(model, seed):
             elif name.endswith("tid2eid"):
                 table = torch.rand(b.shape[0], model.config.n_routed_experts, generator=g).argsort(-1)
                 b.copy_(table[:, :b.shape[1]])
+
+
+def hf_step(model, ids: torch.Tensor, cache) -> torch.Tensor:
+    """Logits of transformers' model continuing ``cache`` with ``ids``.
+
+    The cache keyword is ``cache`` from transformers 5.24 and ``past_key_values`` before; a keyword the model does
+    not know is swallowed by its ``**kwargs``, so the wrong one silently runs without the cache.
+    """
+    import inspect
+
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return model(ids, use_cache=True, **{kw: cache}).logits

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 import transformers
-from reference_helpers import randomize_hf, selection_margin
+from reference_helpers import hf_step, randomize_hf, selection_margin
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as H
 
 from dsv4_ort.models import DeepseekV4Config, DeepseekV4ForCausalLM
@@ -64,7 +64,7 @@ def hf_run(hf, ids, chunks):
     cache = transformers.DynamicCache(config=hf.config)
     out, i = [], 0
     for n in chunks:
-        out.append(hf(ids[:, i:i + n], cache=cache, use_cache=True).logits)
+        out.append(hf_step(hf, ids[:, i:i + n], cache))
         i += n
     return torch.cat(out, 1)
 
@@ -106,8 +106,7 @@ def test_logits_match_transformers(name):
     prompt = ids[:1, : T - 64]
     state, cache = ours.new_state(1, T), transformers.DynamicCache(config=hf.config)
     ours_toks = greedy(lambda t: ours(t, state=state), ours(prompt, state=state), 64)
-    hf_toks = greedy(lambda t: hf(t, cache=cache, use_cache=True).logits,
-                     hf(prompt, cache=cache, use_cache=True).logits, 64)
+    hf_toks = greedy(lambda t: hf_step(hf, t, cache), hf_step(hf, prompt, cache), 64)
     print(f"\n[hf parity] {name}: T={T} " + " ".join(f"{k}={v:.2e}" for k, v in figs.items())
           + f" selection_margin={margin:.1e} greedy64_identical={torch.equal(ours_toks, hf_toks)} ({time.time() - t0:.1f}s)")
     for k in ("prefill", "token_by_token", "chunked"):

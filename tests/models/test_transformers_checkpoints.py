@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from reference_helpers import randomize_hf, selection_margin
+from reference_helpers import hf_step, randomize_hf, selection_margin
 
 from dsv4_ort.export import export_model
 from dsv4_ort.models import DeepseekV4Config, load_model
@@ -75,8 +75,8 @@ def _prompt(config):
 @torch.no_grad()
 def _oracle_run(oracle, ids):
     cache = transformers.DynamicCache(config=oracle.config)
-    logits = oracle(ids, cache=cache, use_cache=True).logits
-    toks = _greedy(lambda t: oracle(torch.tensor([[t]]), cache=cache, use_cache=True).logits, logits, GREEDY)
+    logits = hf_step(oracle, ids, cache)
+    toks = _greedy(lambda t: hf_step(oracle, torch.tensor([[t]]), cache), logits, GREEDY)
     return logits, toks
 
 

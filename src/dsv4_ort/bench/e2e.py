@@ -21,6 +21,7 @@ compressor rows). Implied roofline tokens/s = batch x bandwidth / bytes per step
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import shutil
@@ -564,9 +565,12 @@ def run_hf(config, *, threads: int, settings: dict, deadline: float, log) -> lis
     log(f"    built transformers' model in {base['build_s']} s")
     records = []
     rng = np.random.default_rng(0)
+    # the cache keyword is `cache` from transformers 5.24, `past_key_values` before (an unknown one runs uncached)
+    cache_kw = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
 
     def fwd(ids, cache):
-        return hf(torch.from_numpy(np.asarray(ids, np.int64)), cache=cache, use_cache=True, logits_to_keep=1).logits
+        return hf(torch.from_numpy(np.asarray(ids, np.int64)), use_cache=True, logits_to_keep=1,
+                  **{cache_kw: cache}).logits
 
     try:
         with torch.inference_mode():
