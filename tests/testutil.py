@@ -25,7 +25,8 @@ def library_info(isa: str | None = None) -> dict:
 
 
 def available_isa_levels() -> list:
+    """The levels to test: every level this CPU has, up to the DSV4_ORT_ISA cap when one is set."""
     import dsv4_ort
 
-    top = library_info()["isa_max"]
+    top = library_info()["isa"]  # = isa_max unless DSV4_ORT_ISA caps it
     return list(dsv4_ort.ISA_LEVELS[: dsv4_ort.ISA_LEVELS.index(top) + 1])

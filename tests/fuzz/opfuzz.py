@@ -892,7 +892,7 @@ def available_isa_levels() -> list:
     import dsv4_ort
 
     info = dsv4_ort.library_info()
-    return list(dsv4_ort.ISA_LEVELS[: dsv4_ort.ISA_LEVELS.index(info["isa_max"]) + 1])
+    return list(dsv4_ort.ISA_LEVELS[: dsv4_ort.ISA_LEVELS.index(info["isa"]) + 1])
 
 
 def sanitizer_env(library: str, log_dir: str) -> dict:
