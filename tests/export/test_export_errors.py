@@ -142,7 +142,8 @@ def test_failure_while_building_the_graph_leaves_no_temporary_files(ck, tmp_path
     monkeypatch.setattr(graph.DecoderGraph, "build", boom)
     with pytest.raises(graph.GraphBuildError, match="injected"):
         _export(ck, tmp_path / "out")
-    assert os.listdir(tmp_path / "out") == []
+    assert not (tmp_path / "out").exists()  # staged beside the target, removed on failure
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
 
 
 # ----------------------------------------------------------------------------------------------------- arguments

@@ -51,14 +51,41 @@ def _graph_metadata(key, value):
     return apply
 
 
+def _replace_trailer(d, export_id):
+    from dsv4_ort.export import read_export_trailer
+    from dsv4_ort.export.files import export_trailer
+
+    path = d / "model.onnx.data"
+    assert read_export_trailer(path)
+    with open(path, "r+b") as f:
+        f.seek(-len(export_trailer(export_id)), os.SEEK_END)
+        f.write(export_trailer(export_id))
+
+
+def _swap_pair(meta, i, j):
+    """Two state entries exchange their outputs: past.A paired with present.B (each name still in the graph)."""
+    a, b = meta["state"]["tensors"][i], meta["state"]["tensors"][j]
+    a["output"], b["output"] = b["output"], a["output"]
+
+
 def _set_state(i, field, value):
     return _meta(lambda m: m["state"]["tensors"][i].__setitem__(field, value))
 
 
 DAMAGE = {
     "data file missing": (lambda d: os.remove(d / "model.onnx.data"), r"model\.onnx.*External data path does not exist"),
-    "data file cut in half": (lambda d: _truncate(d / "model.onnx.data", 0.5), r"model\.onnx.*out of bounds"),
-    "data file short by 4 bytes": (lambda d: _truncate(d / "model.onnx.data", 4), r"model\.onnx.*out of bounds"),
+    "data file cut in half": (lambda d: _truncate(d / "model.onnx.data", 0.5), r"model\.onnx\.data ends without"),
+    "data file short by 4 bytes": (lambda d: _truncate(d / "model.onnx.data", 4), r"model\.onnx\.data ends without"),
+    "data file of another export": (lambda d: _replace_trailer(d, "0" * 32), r"mixes files of different exports"),
+    "graph of another export": (_graph_metadata("dsv4_ort.export_id", "0" * 32),
+                                r"export_id [0-9a-f]{32} in the JSON, 0{32} in the graph"),
+    "json of another export": (_meta(lambda m: m.__setitem__("export_id", "1" * 32)),
+                               r"mixes files of different exports"),
+    "json of an older format": (_meta(lambda m: m.pop("export_id")), r"export format .* re-export"),
+    "json past/present swapped": (_meta(lambda m: _swap_pair(m, 0, 1)), r"is not past\.X / present\.X"),
+    "json state tensor missing": (_meta(lambda m: m["state"]["tensors"].pop(2)),
+                                  r"graph input 'past\.\S+' is not in the JSON's state tensors"),
+    "json logits mode differs": (_meta(lambda m: m.__setitem__("logits", "all")), r"logits all in the JSON, last"),
     "graph cut in half": (lambda d: _truncate(d / "model.onnx", 0.5), r"model\.onnx.*(Protobuf parsing failed)"),
     "graph empty": (lambda d: _truncate(d / "model.onnx", 0.0), r"model\.onnx"),
     "json not an object": (lambda d: (d / "dsv4_ort.json").write_text("[1, 2]"), "does not describe a dsv4-ort model"),
@@ -70,7 +97,9 @@ DAMAGE = {
     "json state shape differs": (_set_state(0, "shape", ["batch", 3, 128]),
                                  r"does not match .*model\.onnx: state tensor 'past\.0\.window' has shape"),
     "json state dtype differs": (_set_state(0, "dtype", "bfloat16"), r"state tensor 'past\.0\.window' is tensor\(float\)"),
-    "json state tensor unknown": (_set_state(0, "input", "past.0.nothing"), "the graph has no state tensor"),
+    "json state tensor unknown": (_meta(lambda m: m["state"]["tensors"][0].update(input="past.0.nothing",
+                                                                               output="present.0.nothing")),
+                                  "the graph has no state tensor"),
     "json vocabulary differs": (_meta(lambda m: m["config"].__setitem__("vocab_size", 1000)), "the vocabulary 1000"),
     "json capacity differs": (_meta(lambda m: m.__setitem__("max_seq_len", 4096)),
                               "max_seq_len 4096 in the JSON, 128 in the graph"),

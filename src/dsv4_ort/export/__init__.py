@@ -64,8 +64,9 @@ custom ops.
 # onnx); ``dsv4_ort.export.schema`` must stay importable with onnxruntime + numpy alone, so the exporter's names
 # are imported on first use.
 _LAZY = {
-    "export_model": "exporter", "ExportError": "exporter", "LOGITS_MODES": "exporter", "MODEL_FILE": "exporter",
-    "DATA_FILE": "exporter", "META_FILE": "exporter", "DEFAULT_MAX_SEQ_LEN": "exporter",
+    "export_model": "exporter", "ExportError": "exporter", "LOGITS_MODES": "exporter", "MODEL_FILE": "files",
+    "DATA_FILE": "files", "META_FILE": "files", "FORMAT_VERSION": "files", "read_export_trailer": "files",
+    "DEFAULT_MAX_SEQ_LEN": "exporter",
     "check_max_seq_len": "exporter", "ratio_multiple": "exporter", "GraphBuildError": "graph",
     "state_tensors": "graph", "WEIGHT_MODES": "weights", "WeightFormatError": "weights",
 }

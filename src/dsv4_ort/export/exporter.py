@@ -5,24 +5,24 @@ See the package docstring (:mod:`dsv4_ort.export`) for the graph contract, the s
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import numbers
 import os
+import re
 import shutil
 import time
+import uuid
 from pathlib import Path
 
 from . import schema
+from .files import DATA_FILE, FORMAT_VERSION, META_FILE, MODEL_FILE, export_trailer
 from .graph import (ACT, BATCH, SEQ, STATE_FORMATS, DecoderGraph, GraphBuildError, Weight, input_accepts, layer_kind,
                     make_model)
 from .weights import (ONNX_DTYPE_NAMES, WEIGHT_MODES, ExternalDataWriter, WeightFormatError, convert,
                       external_initializer, release_pages, stacked_name, tensor_role)
 
-MODEL_FILE = "model.onnx"
-DATA_FILE = "model.onnx.data"
-META_FILE = "dsv4_ort.json"
-FORMAT_VERSION = 1
 LOGITS_MODES = ("last", "all")
 DEFAULT_MAX_SEQ_LEN = 4096
 DEFAULT_MAX_BATCH = 1
@@ -139,20 +139,28 @@ def _load_source(checkpoint_dir, preset, seed):
 
 
 def _check_out_dir(out_dir: Path) -> None:
+    """The target may be absent (created at publish) or a directory; its parent must exist or be creatable and be
+    writable, since the export is staged beside the target and swapped in."""
     if out_dir.exists() and not out_dir.is_dir():
         raise ExportError(f"output path exists and is not a directory: {str(out_dir)!r}")
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ExportError(f"cannot create the output directory {str(out_dir)!r} ({e.strerror or e})") from None
-    if not os.access(out_dir, os.W_OK | os.X_OK):
-        raise ExportError(f"output directory is not writable: {str(out_dir)!r}")
+    if not os.access(out_dir.parent, os.W_OK | os.X_OK):
+        raise ExportError(f"cannot write next to the output directory {str(out_dir)!r} (its parent is not "
+                          "writable)")
 
 
 def _write(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
         os.fsync(f.fileno())
 
 
@@ -214,75 +222,144 @@ def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights:
     max_seq_len = default_max_seq_len(config) if max_seq_len is None else check_max_seq_len(config, max_seq_len)
     _check_out_dir(out_dir)
 
-    tag = f".tmp-{os.getpid()}"
-    tmp_data = out_dir / (DATA_FILE + tag)
-    tmp_model = out_dir / (MODEL_FILE + tag)
-    tmp_meta = out_dir / (META_FILE + tag)
-    temps = [tmp_data, tmp_model, tmp_meta]
+    export_id = uuid.uuid4().hex
+    stage = _staging_dir(out_dir)
     writer = None
     try:
         try:
-            writer = ExternalDataWriter(tmp_data)
+            stage.mkdir()
+            writer = ExternalDataWriter(stage / DATA_FILE)
         except OSError as e:
-            raise ExportError(f"cannot write in the output directory {str(out_dir)!r} ({e.strerror or e})") from None
+            raise ExportError(f"cannot write next to the output directory {str(out_dir)!r} ({e.strerror or e})") \
+                from None
         written, formats = _stream_weights(config, source, writer, weights, progress, ck_dir)
+        writer.append_trailer(export_trailer(export_id))
         writer.close()
         t_weights = time.perf_counter() - t0
 
         dg = DecoderGraph(config, written, max_seq_len=max_seq_len, logits=logits, state=state)
         g = dg.build()
         for name in sorted({n for n in g.types} & set(writer.entries())):
-            g.initializers.append(external_initializer(writer.entries()[name], tmp_data.name))
+            g.initializers.append(external_initializer(writer.entries()[name], DATA_FILE))
         unused = sorted(set(writer.entries()) - {t.name for t in g.initializers})
         if unused:
             raise GraphBuildError(f"checkpoint tensors not used by the graph: {unused[:5]}")
 
         tok_files = [f for f in TOKENIZER_FILES if ck_dir is not None and os.path.isfile(os.path.join(ck_dir, f))]
         meta = _metadata(config, dg, g, origin, weights, formats, max_seq_len, max_batch, logits, tok_files)
+        meta["export_id"] = export_id
         meta["export"] = {"seconds": round(time.perf_counter() - t0, 3), "weights_seconds": round(t_weights, 3),
                           "data_bytes": writer.end}
         model = make_model(g, {"dsv4_ort.json": json.dumps(meta, sort_keys=True),
                                "dsv4_ort.format_version": FORMAT_VERSION, "dsv4_ort.max_seq_len": max_seq_len,
                                "dsv4_ort.max_batch": max_batch, "dsv4_ort.logits": logits,
                                "dsv4_ort.weights": weights, "dsv4_ort.op_table_version": schema.TABLE_VERSION,
-                               "dsv4_ort.ort_api_version": schema.ORT_API_VERSION},
+                               "dsv4_ort.ort_api_version": schema.ORT_API_VERSION, "dsv4_ort.export_id": export_id},
                            doc="DeepSeek-V4 decoder exported by dsv4-ort; see dsv4_ort.json")
+        _write(stage / MODEL_FILE, model.SerializeToString())
         if check:  # by path, before anything is published: the checker resolves the external data file
             import onnx
 
-            _write(tmp_model, model.SerializeToString())
             schema.register_onnx_schemas()
-            onnx.checker.check_model(str(tmp_model), full_check=True)
-        for t in model.graph.initializer:
-            for kv in t.external_data:
-                if kv.key == "location":
-                    kv.value = DATA_FILE
-        _write(tmp_model, model.SerializeToString())
-        _write(tmp_meta, (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
-
-        # Publish: drop the old model first so an old graph never pairs with new data; the graph comes last.
-        final_model = out_dir / MODEL_FILE
-        for old in (final_model, out_dir / META_FILE):
-            if old.exists() or old.is_symlink():
-                old.unlink()
-        os.replace(tmp_data, out_dir / DATA_FILE)
+            onnx.checker.check_model(str(stage / MODEL_FILE), full_check=True)
+        _write(stage / META_FILE, (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
         for name in tok_files:
-            shutil.copyfile(os.path.join(ck_dir, name), out_dir / name)
-        os.replace(tmp_meta, out_dir / META_FILE)
-        os.replace(tmp_model, final_model)
-        _fsync_dir(out_dir)
-        return final_model
+            shutil.copyfile(os.path.join(ck_dir, name), stage / name)
+            _fsync_file(stage / name)
+        _fsync_dir(stage)
+        _publish(stage, out_dir)
+        return out_dir / MODEL_FILE
     except BaseException:
         if writer is not None:
             writer.close(sync=False)
-        for p in temps:
-            try:
-                p.unlink()
-            except FileNotFoundError:
-                pass
-            except OSError:
-                pass
+        shutil.rmtree(stage, ignore_errors=True)
         raise
+
+
+# ---------------------------------------------------------------------------------------------------- publishing
+#
+# An export is written whole into a staging directory beside the target (same file system), then published by
+# swapping the two directories (renameat2 RENAME_EXCHANGE: the target is the old model or the new one at every
+# instant) and removing the old one. Publishing holds an flock on a lock file beside the target, so concurrent
+# exporters of one target publish one after the other, each a whole model. Staging directories of exporters that
+# died (SIGKILL) are removed by the next export of that target. The three files carry one export id (see .files).
+
+_OURS = {MODEL_FILE, DATA_FILE, META_FILE, *TOKENIZER_FILES}
+_STAGE_RE = re.compile(r"^\.(?P<name>.+)\.export-(?P<pid>\d+)-[0-9a-f]{8}$")
+_OLD_TMP_RE = re.compile(r"^(model\.onnx|model\.onnx\.data|dsv4_ort\.json)\.tmp-\d+$")
+
+
+def _staging_dir(out_dir: Path) -> Path:
+    return out_dir.parent / f".{out_dir.name}.export-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale(out_dir: Path) -> None:
+    """Staging directories of dead exporters of this target, and temporaries of older versions inside it."""
+    for p in out_dir.parent.iterdir():
+        m = _STAGE_RE.match(p.name)
+        if m and m["name"] == out_dir.name and int(m["pid"]) != os.getpid() and not _pid_alive(int(m["pid"])):
+            shutil.rmtree(p, ignore_errors=True)
+    if out_dir.is_dir():
+        for p in out_dir.iterdir():
+            if _OLD_TMP_RE.match(p.name):
+                p.unlink(missing_ok=True)
+
+
+def _rename_exchange(a: Path, b: Path) -> bool:
+    """Atomically swaps two paths (Linux renameat2); False where the system or file system cannot."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _publish(stage: Path, out_dir: Path) -> None:
+    import fcntl
+
+    lock_path = out_dir.parent / f".{out_dir.name}.lock"
+    with open(lock_path, "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # serialises publishers of this target; released on close or death
+        _remove_stale(out_dir)
+        if out_dir.is_dir() and any(out_dir.iterdir()):
+            foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in _OURS)
+            if foreign:
+                raise ExportError(f"output directory {str(out_dir)!r} holds files that are not a dsv4-ort export "
+                                  f"({', '.join(foreign[:3])}); choose an empty or new directory")
+        if not out_dir.exists():
+            os.rename(stage, out_dir)
+        elif _rename_exchange(stage, out_dir):
+            shutil.rmtree(stage, ignore_errors=True)  # the old model, now at the staging path
+        else:  # no atomic swap here: the old model is set aside first and restored if the rename fails
+            aside = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            os.rename(out_dir, aside)
+            try:
+                os.rename(stage, out_dir)
+            except BaseException:
+                os.rename(aside, out_dir)
+                raise
+            shutil.rmtree(aside, ignore_errors=True)
+        _fsync_dir(out_dir.parent)
 
 
 def _stream_weights(config, source, writer: ExternalDataWriter, mode: str, progress: bool, ck_dir):

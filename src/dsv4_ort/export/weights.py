@@ -341,6 +341,13 @@ class ExternalDataWriter:
         return [(e.name, sorted(set(range(e.parts)) - e.written)) for e in self._entries.values()
                 if len(e.written) != e.parts]
 
+    def append_trailer(self, data: bytes) -> None:
+        """Bytes after the last tensor (the export id): no entry refers to them."""
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self.fd, data[done:], self.end + done)
+        self.end += len(data)
+
     def close(self, sync: bool = True) -> None:
         if self.fd is None:
             return

@@ -15,11 +15,9 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from ..export.files import DATA_FILE, FORMAT_VERSION, META_FILE, MODEL_FILE, read_export_trailer
 from .sampling import sample
 from .state import State
-
-META_FILE = "dsv4_ort.json"
-MODEL_FILE = "model.onnx"
 
 
 class ModelError(ValueError):
@@ -57,7 +55,20 @@ def read_metadata(model_dir: str | os.PathLike) -> dict:
         raise ModelError(f"{meta_path} is corrupt: {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != "dsv4-ort":
         raise ModelError(f"{meta_path} does not describe a dsv4-ort model")
+    if meta.get("format_version") != FORMAT_VERSION or not isinstance(meta.get("export_id"), str):
+        raise ModelError(f"{meta_path}: export format {meta.get('format_version')!r}, this dsv4-ort reads "
+                         f"{FORMAT_VERSION}; re-export the model with `dsv4-ort export`")
     _check_metadata(meta, meta_path)
+    data_path = d / DATA_FILE
+    if data_path.is_file():
+        found = read_export_trailer(data_path)
+        if found is None:
+            raise ModelError(f"{data_path} ends without its export id: truncated, or not written by this dsv4-ort; "
+                             "re-export the model")
+        if found != meta["export_id"]:
+            raise ModelError(f"{data_path} is not the data of {model_path} ({meta_path} names export "
+                             f"{meta['export_id']}, the data file {found or 'no export'}): the directory mixes "
+                             "files of different exports; re-export it")
     return meta
 
 
@@ -73,6 +84,7 @@ def _check_metadata(meta: dict, meta_path: Path) -> None:
     need(isinstance(meta.get("config"), dict) and count(meta["config"].get("vocab_size")),
          "'config' with a positive 'vocab_size' is missing")
     need(count(meta.get("max_seq_len")), "'max_seq_len' must be a positive integer")
+    need(meta.get("logits") in ("last", "all"), "'logits' must be 'last' or 'all'")
     need(isinstance(meta.get("op_table_version"), int), "'op_table_version' is missing")
     state = meta.get("state")
     need(isinstance(state, dict) and isinstance(state.get("tensors"), list) and "batch_dim" in state,
@@ -92,12 +104,18 @@ def _check_against_graph(meta: dict, session, model_path: Path) -> None:
         return ModelError(f"{model_path.parent / META_FILE} does not match {model_path}: {what}")
 
     recorded = session.get_modelmeta().custom_metadata_map
-    for key in ("op_table_version", "max_seq_len"):
-        if recorded.get(f"dsv4_ort.{key}") is not None and str(recorded[f"dsv4_ort.{key}"]) != str(meta[key]):
-            raise mismatch(f"{key} {meta[key]} in the JSON, {recorded[f'dsv4_ort.{key}']} in the graph")
+    for key in ("export_id", "op_table_version", "max_seq_len", "logits"):
+        if str(recorded.get(f"dsv4_ort.{key}")) != str(meta.get(key)):
+            raise mismatch(f"{key} {meta.get(key)} in the JSON, {recorded.get(f'dsv4_ort.{key}')} in the graph")
     inputs = {i.name: i for i in session.get_inputs()}
     outputs = {o.name: o for o in session.get_outputs()}
+    listed_in = {t["input"] for t in meta["state"]["tensors"]}
+    listed_out = {t["output"] for t in meta["state"]["tensors"]}
     for t in meta["state"]["tensors"]:
+        # a state tensor is one buffer bound as past.X and present.X: a pair of other names would bind one
+        # layer's output to another's input
+        if not t["input"].startswith("past.") or t["output"] != "present." + t["input"][len("past."):]:
+            raise mismatch(f"state pair {t['input']!r} / {t['output']!r} is not past.X / present.X")
         for name, table in ((t["input"], inputs), (t["output"], outputs)):
             arg = table.get(name)
             if arg is None:
@@ -108,10 +126,16 @@ def _check_against_graph(meta: dict, session, model_path: Path) -> None:
             fixed = [(a, b) for a, b in zip(arg.shape, t["shape"]) if isinstance(a, int)]
             if len(arg.shape) != len(t["shape"]) or any(a != b for a, b in fixed):
                 raise mismatch(f"state tensor {name!r} has shape {arg.shape} in the graph, {t['shape']} in the JSON")
+    for name in sorted(set(inputs) - listed_in - {"input_ids", "start_pos"}):
+        raise mismatch(f"graph input {name!r} is not in the JSON's state tensors")
+    for name in sorted(set(outputs) - listed_out - {"logits"}):
+        raise mismatch(f"graph output {name!r} is not in the JSON's state tensors")
     logits = outputs.get("logits")
     vocab = meta["config"]["vocab_size"]
     if logits is None or (logits.shape and isinstance(logits.shape[-1], int) and logits.shape[-1] != vocab):
         raise mismatch(f"the logits output is {None if logits is None else logits.shape}, the vocabulary {vocab}")
+    if len(logits.shape) != 3 or (meta["logits"] == "last") != (logits.shape[1] == 1):
+        raise mismatch(f"logits {meta['logits']!r} in the JSON, an output of shape {logits.shape} in the graph")
 
 
 _ONNX_TYPE_NAMES = {1: "float", 16: "bfloat16", 10: "float16", 17: "float8e4m3fn", 2: "uint8", 7: "int64"}
