@@ -82,6 +82,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
     return any != nullptr ? any->CreateStatus(ORT_FAIL, msg.c_str()) : nullptr;
   }
   SetApi(api);
+  SetRuntimeVersion(api_base->GetVersionString());
   try {
     return Register(options);
   } catch (const std::exception& e) {

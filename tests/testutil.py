@@ -30,3 +30,19 @@ def available_isa_levels() -> list:
 
     top = library_info()["isa"]  # = isa_max unless DSV4_ORT_ISA caps it
     return list(dsv4_ort.ISA_LEVELS[: dsv4_ort.ISA_LEVELS.index(top) + 1])
+
+
+def onnxruntime_release(version: str):
+    """Installs onnxruntime==version (no dependencies) into a cached folder outside site-packages and returns it; put
+    it first on PYTHONPATH of a subprocess to run that release instead of the installed one."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    target = Path(__file__).resolve().parents[1] / "build" / "ort-compat" / version
+    if not (target / "onnxruntime").is_dir():
+        shutil.rmtree(target, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                        f"onnxruntime=={version}"], check=True, timeout=600)
+    return target

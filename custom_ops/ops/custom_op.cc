@@ -3,6 +3,8 @@
 // op's kernel class with an ORT-backed ComputeContext, and converts every C++ exception into an OrtStatus.
 #include "ops/custom_op.h"
 
+#include <cstdio>
+
 #include <cmath>
 #include <cstring>
 #include <exception>
@@ -480,6 +482,17 @@ void Enumerate(const optable::OpSpec& spec, int var, std::array<int, kMaxTypeVar
 const OrtApi& Api() { return *g_api; }
 void SetApi(const OrtApi* api) { g_api = api; }
 
+namespace {
+bool g_infers_custom_shapes = true;
+}  // namespace
+
+void SetRuntimeVersion(const char* version) {
+  int major = 0, minor = 0;
+  if (version == nullptr || std::sscanf(version, "%d.%d", &major, &minor) != 2) return;  // unknown: assume current
+  g_infers_custom_shapes = major > 1 || (major == 1 && minor >= 24);
+}
+bool RuntimeInfersCustomShapes() { return g_infers_custom_shapes; }
+
 std::vector<std::unique_ptr<TableOp>> BuildTableOps(IsaLevel isa) {
   std::vector<std::unique_ptr<TableOp>> ops;
   for (int k = 0; k < optable::kNumOps; ++k) {
@@ -513,7 +526,7 @@ std::vector<std::unique_ptr<TableOp>> BuildTableOps(IsaLevel isa) {
       c.GetVariadicOutputHomogeneity = &GetVariadicHomogeneity;
       c.CreateKernelV2 = &CreateKernelV2;
       c.KernelComputeV2 = &KernelComputeV2;
-      c.InferOutputShapeFn = &InferOutputShape;
+      c.InferOutputShapeFn = RuntimeInfersCustomShapes() ? &InferOutputShape : nullptr;
       c.GetStartVersion = &GetStartVersion;
       c.GetEndVersion = &GetEndVersion;
       op->spec = &spec;

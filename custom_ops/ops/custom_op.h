@@ -16,6 +16,13 @@ namespace dsv4::glue {
 const OrtApi& Api();
 void SetApi(const OrtApi* api);
 
+// The onnxruntime release the library runs in ("1.21.1", from OrtApiBase::GetVersionString). Releases before 1.24
+// dereference the type of an absent optional input ("") while they build the shape-inference context of a custom
+// op, before our InferOutputShape runs, and crash: on those, ops are registered without a shape-inference function
+// (outputs then carry the shapes the exporter wrote into the graph).
+void SetRuntimeVersion(const char* version);
+bool RuntimeInfersCustomShapes();
+
 constexpr int kMaxTypeVars = 4;
 
 struct TableOp : OrtCustomOp {

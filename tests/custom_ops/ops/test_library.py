@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import dsv4_ort
-from testutil import available_isa_levels, library_info
+from testutil import available_isa_levels, library_info, onnxruntime_release
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -59,16 +59,6 @@ def test_invalid_isa_value_lists_valid_ones():
     assert "scalar, avx2, avx512, amx" in str(e.value)
 
 
-def _ort_in_target(version: str) -> Path:
-    """Installs onnxruntime==version into a cached folder (outside site-packages) and returns it."""
-    target = ROOT / "build" / "ort-compat" / version
-    if not (target / "onnxruntime").is_dir():
-        shutil.rmtree(target, ignore_errors=True)
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
-                        f"onnxruntime=={version}"], check=True)
-    return target
-
-
 SCRIPT = """
 import sys, numpy
 sys.path.insert(0, sys.argv[1])
@@ -85,7 +75,7 @@ print("OK", ort.__version__)
 
 @pytest.mark.parametrize("version,ok", [("1.21.1", True), ("1.20.1", False)])
 def test_other_onnxruntime_releases(version, ok, tmp_path):
-    target = _ort_in_target(version)
+    target = onnxruntime_release(version)
     deps = Path(sys.modules["numpy"].__file__).parents[1]
     env = dict(os.environ, PYTHONPATH=f"{target}{os.pathsep}{deps}")
     r = subprocess.run([sys.executable, "-c", SCRIPT, str(target), dsv4_ort.get_library_path()], capture_output=True,
