@@ -45,6 +45,11 @@ def _stale_or_shadowed() -> str | None:
 def pytest_configure(config):
     if os.environ.get("DSV4_ORT_SKIP_STALE_CHECK"):
         return
+    import dsv4_ort
+
+    rebuild = getattr(getattr(dsv4_ort, "__loader__", None), "rebuild", None)
+    if callable(rebuild) and not os.environ.get("DSV4_ORT_LIBRARY"):
+        rebuild()  # an editable install (README, Development): bring the library up to date with custom_ops/ first
     why = _stale_or_shadowed()
     if why:
         pytest.exit(f"dsv4_ort under test is not this checkout: {why}", returncode=4)
