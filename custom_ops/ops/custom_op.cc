@@ -65,6 +65,20 @@ bool ReadStringAttr(const OrtKernelInfo* info, const char* name, std::string* ou
   return true;
 }
 
+// What an attribute the node has under `name` holds when it is not of the declared kind ("" when it is absent).
+// The C API reads attributes by name and kind only, so a node's attribute of another kind reads as absent: without
+// this check an int written for a float attribute (what onnx.helper.make_attribute does for a Python int) would
+// silently take the default.
+const char* OtherKindPresent(const OrtKernelInfo* info, const char* name, optable::AttrKind declared) {
+  int64_t i = 0;
+  float f = 0;
+  std::string str;
+  if (declared != optable::AttrKind::kInt && ReadIntAttr(info, name, &i)) return "an int";
+  if (declared != optable::AttrKind::kFloat && ReadFloatAttr(info, name, &f)) return "a float";
+  if (declared != optable::AttrKind::kString && ReadStringAttr(info, name, &str)) return "a string";
+  return "";
+}
+
 Attributes ReadAttributes(const optable::OpSpec& spec, const OrtKernelInfo* info) {
   Attributes attrs;
   for (int i = 0; i < spec.num_attrs; ++i) {
@@ -81,7 +95,12 @@ Attributes ReadAttributes(const optable::OpSpec& spec, const OrtKernelInfo* info
         break;
       case optable::AttrKind::kFloat: {
         float f = 0;
+        int64_t as_int = 0;
         found = ReadFloatAttr(info, a.name, &f);
+        if (!found && ReadIntAttr(info, a.name, &as_int)) {  // an int for a float attribute: its value
+          found = true;
+          f = static_cast<float>(as_int);
+        }
         v.f = found ? f : a.float_default;
         numeric = v.f;
         if (!std::isfinite(numeric)) Fail("attribute '", a.name, "' must be finite (got ", v.f, ")");
@@ -91,6 +110,14 @@ Attributes ReadAttributes(const optable::OpSpec& spec, const OrtKernelInfo* info
         found = ReadStringAttr(info, a.name, &v.s);
         if (!found && a.string_default != nullptr) v.s = a.string_default;
         break;
+    }
+    if (!found) {
+      const char* other = OtherKindPresent(info, a.name, a.kind);
+      if (*other != '\0') {
+        const char* want = a.kind == optable::AttrKind::kInt ? "an int" : a.kind == optable::AttrKind::kFloat
+                                                                             ? "a float" : "a string";
+        Fail("attribute '", a.name, "' must be ", want, " (the node has ", other, ")");
+      }
     }
     if (!found && a.required) Fail("required attribute '", a.name, "' is missing");
     if (a.kind != optable::AttrKind::kString) {

@@ -138,6 +138,40 @@ def _check_against_graph(meta: dict, session, model_path: Path) -> None:
         raise mismatch(f"logits {meta['logits']!r} in the JSON, an output of shape {logits.shape} in the graph")
 
 
+def _check_node_attributes(model_path: Path, domain: str) -> None:
+    """Every node of the op domain has only the attributes its op declares, each of the declared type (an int where
+    a float is declared is taken at its value). The library checks types and ranges itself, but onnxruntime's C API
+    reads attributes by name and cannot list a node's attributes, so a misspelled one would be ignored there."""
+    import onnx
+
+    from dsv4_ort.export import schema
+
+    try:
+        graph = onnx.load(str(model_path), load_external_data=False).graph
+    except Exception as e:  # noqa: BLE001 - reported as a model error
+        raise ModelError(f"cannot read {model_path}: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}") \
+            from None
+    kinds = {"int": {onnx.AttributeProto.INT}, "float": {onnx.AttributeProto.FLOAT, onnx.AttributeProto.INT},
+             "string": {onnx.AttributeProto.STRING}}
+    table = schema.ops()
+    for node in graph.node:
+        if node.domain != domain:
+            continue
+        spec = table.get(node.op_type)
+        if spec is None:
+            raise ModelError(f"{model_path}: node {node.name!r} is op {node.op_type!r}, which the {domain} domain "
+                             "does not define")
+        declared = {a.name: a for a in spec.attributes}
+        for attr in node.attribute:
+            a = declared.get(attr.name)
+            if a is None:
+                raise ModelError(f"{model_path}: {node.op_type} node {node.name!r} has attribute {attr.name!r}, "
+                                 f"which {node.op_type} does not have (it has: {', '.join(declared) or 'none'})")
+            if attr.type not in kinds[a.type]:
+                raise ModelError(f"{model_path}: {node.op_type} node {node.name!r}: attribute {attr.name!r} must be "
+                                 f"{a.type}, the node has {onnx.AttributeProto.AttributeType.Name(attr.type).lower()}")
+
+
 _ONNX_TYPE_NAMES = {1: "float", 16: "bfloat16", 10: "float16", 17: "float8e4m3fn", 2: "uint8", 7: "int64"}
 
 
@@ -171,6 +205,7 @@ class Session:
         if have != schema.TABLE_VERSION:
             raise ModelError(f"the installed library (op table v{have}) does not match the Python package "
                              f"(v{schema.TABLE_VERSION}); reinstall dsv4-ort")
+        _check_node_attributes(self.model_dir / MODEL_FILE, info["domain"])
         self.isa = info["isa"]
         self.config = self.meta["config"]
         self.vocab_size = int(self.config["vocab_size"])
