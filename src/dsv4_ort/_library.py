@@ -35,8 +35,26 @@ def get_library_path() -> str:
         "build and install the package with `pip install .`")
 
 
+MIN_ONNXRUNTIME = (1, 21)  # C API version 21 (the headers the library is built against)
+
+
+def check_onnxruntime() -> None:
+    """Raises RuntimeError when the importable onnxruntime is older than the library needs."""
+    import onnxruntime as ort
+
+    try:
+        have = tuple(int(p) for p in ort.__version__.split(".")[:2])
+    except ValueError:  # a development build with an unusual version string: let registration decide
+        return
+    if have < MIN_ONNXRUNTIME:
+        need = ".".join(map(str, MIN_ONNXRUNTIME))
+        raise RuntimeError(f"onnxruntime {ort.__version__} is too old: dsv4-ort needs onnxruntime >= {need} "
+                           f"(pip install 'onnxruntime>={need}')")
+
+
 def register(session_options) -> None:
-    """Registers the custom-op library with an ``onnxruntime.SessionOptions``."""
+    """Registers the custom-op library with an ``onnxruntime.SessionOptions`` (onnxruntime >= 1.21)."""
+    check_onnxruntime()
     session_options.register_custom_ops_library(get_library_path())
 
 

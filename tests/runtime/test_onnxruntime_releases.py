@@ -102,3 +102,17 @@ def test_release_runs_exported_model(version, tiny, installed, tmp_path):
     assert got["tokens"] == ref["tokens"], version
     assert rel_err(np.load(tmp_path / "logits.npy"), ref_logits) < 1e-5, version
     assert got["threads_equal"], (version, got["errors"])
+
+
+def test_too_old_release_is_named_by_session_and_info(tiny):
+    """onnxruntime 1.20 (C API 20) is not admitted: Session and `dsv4-ort info` say so in one line."""
+    deps = Path(sys.modules["numpy"].__file__).parents[1]
+    env = dict(os.environ, PYTHONPATH=f"{onnxruntime_release('1.20.1')}{os.pathsep}{deps}")
+    code = ("import sys\nfrom dsv4_ort.runtime import Session\ntry:\n    Session(sys.argv[1])\n"
+            "except RuntimeError as e:\n    print(e)\n    sys.exit(2)\n")
+    r = subprocess.run([sys.executable, "-P", "-c", code, str(tiny)], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 2 and "onnxruntime 1.20.1 is too old" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run([sys.executable, "-P", "-m", "dsv4_ort.cli", "info"], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 1 and "onnxruntime 1.20.1 is too old" in r.stderr, r.stdout + r.stderr  # environment
