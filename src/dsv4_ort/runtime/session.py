@@ -149,8 +149,8 @@ def _check_node_attributes(model_path: Path, domain: str) -> None:
     try:
         graph = onnx.load(str(model_path), load_external_data=False).graph
     except Exception as e:  # noqa: BLE001 - reported as a model error
-        raise ModelError(f"cannot read {model_path}: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}") \
-            from None
+        detail = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise ModelError(f"cannot load {model_path}: Protobuf parsing failed ({detail})") from None
     kinds = {"int": {onnx.AttributeProto.INT}, "float": {onnx.AttributeProto.FLOAT, onnx.AttributeProto.INT},
              "string": {onnx.AttributeProto.STRING}}
     table = schema.ops()
