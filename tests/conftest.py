@@ -49,7 +49,33 @@ def pytest_configure(config):
 
     rebuild = getattr(getattr(dsv4_ort, "__loader__", None), "rebuild", None)
     if callable(rebuild) and not os.environ.get("DSV4_ORT_LIBRARY"):
-        rebuild()  # an editable install (README, Development): bring the library up to date with custom_ops/ first
+        _quietly(rebuild)  # an editable install (README, Development): bring the library up to date first
+
+
+def _quietly(fn) -> None:
+    """Runs fn with the process's stdout and stderr (the build's subprocesses included) in a file, shown on failure."""
+    import sys
+    import tempfile
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with tempfile.TemporaryFile() as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            fn()
+        except BaseException:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            log.seek(0)
+            sys.stderr.write(log.read().decode(errors="replace"))
+            raise
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
     why = _stale_or_shadowed()
     if why:
         pytest.exit(f"dsv4_ort under test is not this checkout: {why}", returncode=4)

@@ -33,9 +33,13 @@ def test_every_python_file_imports_by_its_path():
 
 def test_a_shadowing_or_stale_copy_is_refused(tmp_path, monkeypatch):
     """tests/conftest.py stops the run (pytest.exit) when it would import other sources or an older library."""
-    import conftest
+    import importlib.util
 
     import dsv4_ort
+
+    spec = importlib.util.spec_from_file_location("root_conftest", ROOT / "tests" / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
 
     assert conftest._stale_or_shadowed() is None
     shadow = tmp_path / "dsv4_ort"
