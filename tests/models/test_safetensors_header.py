@@ -132,3 +132,31 @@ def test_random_header_values(shard, tmp_path, data):
     p = tmp_path / "s.safetensors"
     p.write_bytes(with_header(shard, header))
     _outcome(p)
+
+
+def test_fifo_in_place_of_a_shard_is_an_error_not_a_hang(tmp_path):
+    import os
+    import threading
+
+    from dsv4_ort.models import DeepseekV4Config, write_random_checkpoint
+
+    write_random_checkpoint(tmp_path, DeepseekV4Config.from_preset("tiny"), seed=0)
+    shard = sorted(tmp_path.glob("*.safetensors"))[0]
+    shard.unlink()
+    os.mkfifo(shard)
+    result = {}
+
+    def read():
+        try:
+            list(C.iter_checkpoint(tmp_path))
+        except C.CheckpointError as e:
+            result["error"] = e
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(timeout=60)
+    if t.is_alive():  # unblock the reader before failing
+        with open(shard, "wb"):
+            pass
+        pytest.fail("reading a checkpoint with a FIFO shard blocked")
+    assert "not a regular file" in str(result["error"]) and shard.name in str(result["error"])

@@ -157,6 +157,8 @@ class Checkpoint:
                 self.weight_map[name] = os.path.join(self.dir, fn)
             self.files = list(dict.fromkeys(sorted(self.weight_map.values())))
             for fn in self.files:
+                if os.path.exists(fn) and not os.path.isfile(fn):  # a FIFO or device would block the read
+                    raise CorruptCheckpointError("shard listed in the index is not a regular file", file=fn)
                 if not os.path.isfile(fn):
                     some = next(n for n, f in self.weight_map.items() if f == fn)
                     raise CheckpointNotFoundError("shard listed in the index is missing", tensor=some, file=fn)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 from typing import Any
 
@@ -40,9 +41,12 @@ def read_header(path: str) -> tuple[dict[str, Any], int]:
     :class:`CorruptCheckpointError` naming the first tensor whose bytes are missing.
     """
     try:
-        size = os.path.getsize(path)
+        st = os.stat(path)
     except FileNotFoundError:
         raise CheckpointNotFoundError("shard file not found", file=path) from None
+    if not stat.S_ISREG(st.st_mode):  # a FIFO or device would block the read (or never end)
+        raise CorruptCheckpointError("shard is not a regular file", file=path)
+    size = st.st_size
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
