@@ -39,11 +39,18 @@ def _cmd_info(args) -> int:
     return 0
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """argparse with its usage errors on one line (status 2, as before); ``--help`` still shows the usage."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dsv4-ort", description="DeepSeek-V4 inference on CPUs through ONNX Runtime")
+    p = OneLineErrors(prog="dsv4-ort", description="DeepSeek-V4 inference on CPUs through ONNX Runtime")
     p.add_argument("--version", action="version", version=f"dsv4-ort {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    common = argparse.ArgumentParser(add_help=False)
+    common = OneLineErrors(add_help=False)
     common.add_argument("--isa", choices=ISA_LEVELS, default=None, help="cap the ISA level (like DSV4_ORT_ISA)")
 
     info = sub.add_parser("info", parents=[common], help="library, CPU features and chosen ISA levels")
@@ -60,29 +67,46 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
-    if (sys.argv[1:] if argv is None else list(argv))[:1] == ["bench"]:
-        from .bench.cli import quiet_numpy_blas
+def one_line(e: BaseException) -> str:
+    """An exception as one line: its last non-empty line, or its type's name when it has no message."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[-1] if lines else type(e).__name__
 
-        quiet_numpy_blas()  # before numpy loads: building the parser imports the runtime, which imports it
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 2
-    env_isa = os.environ.get("DSV4_ORT_ISA")
-    if env_isa and env_isa not in ISA_LEVELS:
-        print(f"dsv4-ort: error: DSV4_ORT_ISA='{env_isa}' is not a valid ISA level; valid values: "
-              f"{', '.join(ISA_LEVELS)}", file=sys.stderr)
-        return 2
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
     try:
-        return args.func(args)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"dsv4-ort {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # onnxruntime errors and the like: one line, no traceback
-        print(f"dsv4-ort {args.command}: error: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
-        return 1
+        if argv[:1] == ["bench"]:
+            from .bench.cli import quiet_numpy_blas
+
+            quiet_numpy_blas()  # before numpy loads: building the parser imports the runtime, which imports it
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 2
+        command = args.command
+        env_isa = os.environ.get("DSV4_ORT_ISA")
+        if env_isa and env_isa not in ISA_LEVELS:
+            print(f"dsv4-ort: error: DSV4_ORT_ISA='{env_isa}' is not a valid ISA level; valid values: "
+                  f"{', '.join(ISA_LEVELS)}", file=sys.stderr)
+            return 2
+        try:
+            return args.func(args)
+        except (FileNotFoundError, ValueError) as e:  # bad input: arguments, model, checkpoint, paths
+            print(f"dsv4-ort {args.command}: error: {' '.join(str(e).split()) or type(e).__name__}",
+                  file=sys.stderr)
+            return 2
+        except Exception as e:  # onnxruntime errors and the like: one line, no traceback
+            print(f"dsv4-ort {args.command}: error: {one_line(e)}", file=sys.stderr)
+            return 1
+    except KeyboardInterrupt:  # Ctrl-C, also during the imports: one line, the shell's status for SIGINT
+        print(f"dsv4-ort{' ' + command if command in _COMMANDS else ''}: interrupted", file=sys.stderr)
+        return 130
+
+
+_COMMANDS = ("run", "generate", "export", "bench", "info")
 
 
 if __name__ == "__main__":

@@ -81,3 +81,220 @@ def test_export_and_generate(tmp_path, cache_env):
 def test_bad_arguments_exit_2(args):
     r = dsv4(*args)
     assert r.returncode == 2, (r.stdout, r.stderr)
+
+
+# ---- bad input: exit status 2 and one line naming the argument or file (or the right behaviour) ---------------------
+
+def cli(capsys, *args) -> tuple:
+    """dsv4_ort.cli.main in this process: (status, stdout, stderr); argparse's exits included."""
+    from dsv4_ort.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from dsv4_ort.export import export_model
+
+    out = tmp_path_factory.mktemp("cli") / "m"
+    export_model(None, out, preset="tiny", max_seq_len=128, logits="last", progress=False)
+    return out
+
+
+@pytest.mark.parametrize("text", ["1 2 3", "1, 2, 3", " 1\t2,3 ", "1,2,3,", "1 ,2  3"])
+def test_ids_separated_by_spaces_or_commas(capsys, tiny_model, text):
+    want = cli(capsys, "generate", str(tiny_model), "--ids", "1,2,3", "--max-new-tokens", "3", "--quiet")
+    got = cli(capsys, "generate", str(tiny_model), "--ids", text, "--max-new-tokens", "3", "--quiet")
+    assert want[0] == 0 and got == want
+
+
+@pytest.mark.parametrize("args,names", [
+    (["--ids", str(10**23)], "--ids"), (["--ids", "-1"], "--ids"), (["--ids", "1.5"], "--ids"),
+    (["--ids", "1_000"], "--ids"), (["--ids", " , "], "--ids"), (["--ids", "512"], "--ids"),
+    (["--max-new-tokens", "-1"], "--max-new-tokens"), (["--temperature", "nan"], "--temperature"),
+    (["--temperature", "-0.5"], "--temperature"), (["--temperature", "inf"], "--temperature"),
+    (["--top-p", "0"], "--top-p"), (["--top-p", "nan"], "--top-p"), (["--top-k", "-1"], "--top-k"),
+    (["--seed", "-2"], "--seed"),
+])
+def test_generate_bad_values_exit_2(capsys, tiny_model, args, names):
+    full = ["generate", str(tiny_model), *args] + ([] if "--ids" in args else ["--ids", "1,2"])
+    code, out, err = cli(capsys, *full)
+    assert code == 2 and names in one_line(err) and out == ""
+
+
+@pytest.mark.parametrize("command,args", [(c, a) for c in ("run", "generate", "bench")
+                                          for a in (["--max-new-tokens", "-1"], ["--threads", "-1"],
+                                                    ["--threads", "5000"], ["--threads", "99999999"])
+                                          if not (c == "bench" and a[0] == "--max-new-tokens")])
+def test_counts_are_bounded_before_anything_runs(capsys, monkeypatch, command, args):
+    """Checked by the parser: the command itself (which would start that many threads) never runs."""
+    from dsv4_ort.bench import cli as bench_cli
+    from dsv4_ort.runtime import cli as runtime_cli
+
+    def never(*a, **k):
+        raise AssertionError("the command ran")
+
+    for mod, name in ((runtime_cli, "cmd_run"), (runtime_cli, "cmd_generate"), (bench_cli, "cmd_bench")):
+        monkeypatch.setattr(mod, name, never)
+    full = {"run": ["run"], "generate": ["generate", "x", "--ids", "1"], "bench": ["bench", "--smoke"]}[command]
+    code, _, err = cli(capsys, *full, *args)
+    assert code == 2 and args[0] in one_line(err)
+    if args[1] == "5000":
+        assert "1 .. " in err  # says the bound
+
+
+def _no_torch_env(tmp_path) -> dict:
+    fake = tmp_path / "notorch" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('No module named torch (hidden by the test)')\n")
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(fake.parent), os.environ.get("PYTHONPATH")]))}
+
+
+def test_paths_are_checked_before_the_torch_import(tmp_path, tiny_model):
+    """Without torch: a missing checkpoint is named as such, and an exported model given to run --checkpoint runs
+    (nothing to export)."""
+    env = dict(_no_torch_env(tmp_path), DSV4_ORT_CACHE=str(tmp_path / "cache"))
+    r = dsv4("export", str(tmp_path / "missing"), str(tmp_path / "out"), env=env)
+    assert r.returncode == 2 and "does not exist" in one_line(r.stderr) and "torch" not in r.stderr
+    r = dsv4("run", "--checkpoint", str(tmp_path / "missing"), env=env)
+    assert r.returncode == 2 and "does not exist" in one_line(r.stderr) and "torch" not in r.stderr
+    r = dsv4("run", "--checkpoint", str(tiny_model), "--max-new-tokens", "3", "--quiet", env=env)
+    assert r.returncode == 0, r.stderr
+    assert f"model: {tiny_model}" in r.stdout and "generated ids: [" in r.stdout
+    assert not (tmp_path / "cache").exists()  # run as it is, not exported into the cache
+
+
+def test_corrupt_tokenizer(capsys, tmp_path, tiny_model):
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_model, d)
+    (d / "tokenizer.json").write_text("{not a tokenizer")
+    code, out, err = cli(capsys, "generate", str(d), "--ids", "1 2", "--max-new-tokens", "3")
+    assert code == 0 and len(out.split()) == 3  # ids need no tokenizer: token ids out, a warning naming the file
+    assert "tokenizer.json" in err
+    code, _, err = cli(capsys, "generate", str(d), "--prompt", "hello")
+    assert code == 2 and str(d / "tokenizer.json") in one_line(err)
+    code, _, err = cli(capsys, "run", "--checkpoint", str(d), "--quiet")
+    assert code == 2 and str(d / "tokenizer.json") in one_line(err)
+
+
+def test_bench_out_is_checked_before_running(capsys, tmp_path, monkeypatch):
+    from dsv4_ort.bench import suite
+
+    def never(*a, **k):
+        raise AssertionError("the suite ran")
+
+    monkeypatch.setattr(suite, "run", never)
+    afile = tmp_path / "results"
+    afile.write_text("x")
+    for out in (afile, afile / "sub"):
+        code, _, err = cli(capsys, "bench", "--smoke", "--quiet", "--out", str(out))
+        assert code == 2 and "--out" in one_line(err) and str(out) in err
+    code, _, err = cli(capsys, "bench", "--smoke", "--quiet", "--model-dir", str(tmp_path / "none"),
+                       "--out", str(tmp_path / "fresh"))
+    assert code == 2 and "--model-dir" in one_line(err)
+
+
+@pytest.mark.parametrize("exc,status", [(RuntimeError(), 1), (RuntimeError("\n  \n"), 1), (ValueError(""), 2),
+                                        (OSError(), 1), (ValueError("first\nsecond"), 2)])
+def test_error_handler_copes_with_any_message(capsys, monkeypatch, exc, status):
+    from dsv4_ort.runtime import cli as runtime_cli
+
+    def boom(args):
+        raise exc
+
+    monkeypatch.setattr(runtime_cli, "cmd_generate", boom)
+    code, _, err = cli(capsys, "generate", "x", "--ids", "1")
+    line = one_line(err)
+    assert code == status and line.startswith("dsv4-ort generate: error: ")
+    assert line.endswith(type(exc).__name__) or "second" in line
+
+
+def test_ctrl_c_exits_130_with_one_line(capsys, monkeypatch, tmp_path):
+    import sys
+    import types
+
+    class Interrupting(types.ModuleType):
+        def __getattr__(self, name):
+            raise KeyboardInterrupt  # as if Ctrl-C came while the exporter's modules are imported
+
+    monkeypatch.setitem(sys.modules, "dsv4_ort.export.exporter", Interrupting("dsv4_ort.export.exporter"))
+    code, _, err = cli(capsys, "export", "--preset", "tiny", str(tmp_path / "out"), "--quiet")
+    assert code == 130 and one_line(err) == "dsv4-ort export: interrupted"
+    monkeypatch.undo()
+
+    from dsv4_ort.runtime import cli as runtime_cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runtime_cli, "cmd_generate", interrupted)
+    code, _, err = cli(capsys, "generate", "x", "--ids", "1")
+    assert code == 130 and one_line(err) == "dsv4-ort generate: interrupted"
+
+
+def _junk_model(d):
+    (d / "model.onnx").write_bytes(b"\0not a model")
+
+
+def _truncated_data(d):
+    with open(d / "model.onnx.data", "r+b") as f:
+        f.truncate(1000)
+
+
+def _no_meta(d):
+    (d / "dsv4_ort.json").unlink()
+
+
+def _meta_not_json(d):
+    (d / "dsv4_ort.json").write_text("{")
+
+
+def _no_data(d):
+    (d / "model.onnx.data").unlink()
+
+
+def _model_is_a_directory(d):
+    (d / "model.onnx").unlink()
+    (d / "model.onnx").mkdir()
+
+
+def test_damaged_cache_entry_is_exported_again(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("DSV4_ORT_CACHE", str(tmp_path / "cache"))
+    code, first, _ = cli(capsys, "run", "--quiet", "--max-new-tokens", "4")
+    assert code == 0
+    (entry,) = [p for p in (tmp_path / "cache" / "models").iterdir() if not p.name.startswith(".")]
+    ids = [line for line in first.splitlines() if line.startswith("generated ids")]
+    for damage in (_junk_model, _truncated_data, _no_meta, _meta_not_json, _no_data, _model_is_a_directory):
+        damage(entry)
+        code, out, err = cli(capsys, "run", "--max-new-tokens", "4")
+        assert code == 0, (damage.__name__, err)
+        assert "exporting" in err, damage.__name__
+        assert [line for line in out.splitlines() if line.startswith("generated ids")] == ids, damage.__name__
+        code, out, err = cli(capsys, "run", "--max-new-tokens", "4")  # repaired: used as it is
+        assert code == 0 and "exporting" not in err, damage.__name__
+
+
+@pytest.mark.parametrize("command", ["export", "run"])
+def test_fifo_in_the_checkpoint_is_an_error_not_a_hang(tmp_path, command):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "config.json").write_text('{"model_type": "deepseek_v4"}')
+    os.mkfifo(ck / "model.safetensors")
+    args = ["export", str(ck), str(tmp_path / "out")] if command == "export" else ["run", "--checkpoint", str(ck)]
+    exe = os.path.join(os.path.dirname(sys.executable), "dsv4-ort")
+    r = subprocess.run([exe, *args], check=False, capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, DSV4_ORT_CACHE=str(tmp_path / "cache")))
+    assert r.returncode == 2 and str(ck / "model.safetensors") in one_line(r.stderr) and "FIFO" in r.stderr

@@ -37,11 +37,57 @@ def _positive(text: str) -> int:
     return v
 
 
+def _max_threads() -> int:
+    """The most threads accepted: 4 per CPU this process may use, at most 1024."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        n = os.cpu_count() or 1
+    return max(1, min(1024, 4 * n))
+
+
+def _threads(text: str) -> int:
+    v = _positive(text)
+    if v > _max_threads():
+        raise argparse.ArgumentTypeError(f"must be 1 .. {_max_threads()} (4 per available CPU), got {v}")
+    return v
+
+
 def _ints(text: str) -> list:
     try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
+        values = [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return values
+
+
+def _seconds(text: str) -> float:
+    import math
+
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return v
+
+
+def check_out_dir(path: str) -> None:
+    """Before anything runs: ``--out`` must be a directory this process can create and write in (a run of tens
+    of minutes must not fail at its end). Raises ValueError naming the option."""
+    import tempfile
+
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"--out {path!r} exists and is not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ValueError(f"--out {path!r} is not a writable directory ({e.strerror or e})") from None
 
 
 def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -52,7 +98,7 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--plot", action="store_true", help="also write PNG charts (needs matplotlib: the bench extra)")
     p.add_argument("--isa", type=_levels, default=None, metavar="LEVELS",
                    help="comma-separated ISA caps to measure the kernels at (default: every level the CPU has)")
-    p.add_argument("--threads", type=_positive, default=None, metavar="N",
+    p.add_argument("--threads", type=_threads, default=None, metavar="N",
                    help="threads for every implementation (default: physical cores)")
     p.add_argument("--e2e", action=argparse.BooleanOptionalAction, default=True,
                    help="run the end-to-end model benchmarks (default: yes)")
@@ -73,7 +119,7 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--pool-mb", type=_positive, default=None, metavar="MB",
                    help="size of the rotating weight pool, all of it streamed per decode run "
                         "(default: max(2 x LLC, 1 GiB))")
-    p.add_argument("--budget", type=float, default=None, metavar="S",
+    p.add_argument("--budget", type=_seconds, default=None, metavar="S",
                    help="time budget in seconds for each of the kernel and end-to-end sections")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.add_argument("--debug", action="store_true", help="print tracebacks of failing measurements")
@@ -88,6 +134,9 @@ def quiet_numpy_blas() -> None:
 
 def cmd_bench(args) -> int:
     quiet_numpy_blas()
+    check_out_dir(args.out)
+    if args.model_dir is not None and not os.path.isdir(args.model_dir):
+        raise FileNotFoundError(f"--model-dir {args.model_dir!r} does not exist")
     from .suite import run
 
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
@@ -118,13 +167,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    p = configure(argparse.ArgumentParser(prog="dsv4-ort bench", usage=USAGE, description=DESCRIPTION))
+    from dsv4_ort.cli import OneLineErrors
+
+    p = configure(OneLineErrors(prog="dsv4-ort bench", usage=USAGE, description=DESCRIPTION))
     args = p.parse_args(argv)
     try:
         return cmd_bench(args)
     except (FileNotFoundError, ValueError) as e:
-        print(f"dsv4-ort bench: error: {e}", file=sys.stderr)
+        print(f"dsv4-ort bench: error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("dsv4-ort bench: interrupted", file=sys.stderr)
+        return 130
 
 
-__all__ = ["add_parser", "main", "cmd_bench"]
+__all__ = ["add_parser", "check_out_dir", "cmd_bench", "main"]

@@ -7,11 +7,66 @@
 from __future__ import annotations
 
 import argparse
+import os
+import stat
 import sys
 
 USAGE = """\
 dsv4-ort export CHECKPOINT_DIR OUT_DIR [options]
        dsv4-ort export --preset NAME OUT_DIR [options]   (random weights, for tests and benchmarks)"""
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+class CheckpointPathError(ValueError):
+    """A checkpoint path that cannot be read as one: missing, or holding a FIFO, device or directory where a file
+    belongs."""
+
+
+# The files of a checkpoint directory the exporter (and ``dsv4-ort run``'s cache key) opens.
+_CHECKPOINT_SUFFIXES = (".safetensors", ".json", ".model", ".txt", ".jinja")
+
+
+def check_checkpoint_path(path) -> None:
+    """Checks, without opening anything, that ``path`` is a checkpoint directory (or file) whose files are regular
+    files: a FIFO in place of a shard would block the first read forever, a device would be read without end.
+    Raises :class:`CheckpointPathError` (a ValueError) naming the path."""
+    path = os.fspath(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise CheckpointPathError(f"checkpoint directory not found: {path!r} does not exist") from None
+    except OSError as e:
+        raise CheckpointPathError(f"checkpoint {path!r} cannot be read ({e.strerror or e})") from None
+    if stat.S_ISDIR(st.st_mode):
+        try:
+            names = sorted(os.listdir(path))
+        except OSError as e:
+            raise CheckpointPathError(f"checkpoint directory {path!r} cannot be listed ({e.strerror or e})") \
+                from None
+        files = [os.path.join(path, n) for n in names if n.endswith(_CHECKPOINT_SUFFIXES)]
+    elif stat.S_ISREG(st.st_mode):
+        files = []
+    else:
+        raise CheckpointPathError(f"checkpoint {path!r} is not a directory or a regular file")
+    for f in files:
+        try:
+            mode = os.stat(f).st_mode  # follows symlinks: a link to a regular file is fine
+        except OSError as e:
+            raise CheckpointPathError(f"checkpoint file {f!r} cannot be read ({e.strerror or e})") from None
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else \
+                "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) \
+                else "not a regular file"
+            raise CheckpointPathError(f"checkpoint file {f!r} is {kind}, not a regular file")
 
 
 def _positive_int(text: str) -> int:
@@ -49,7 +104,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--preset", default=None, metavar="NAME",
                    help="export a preset configuration (tiny, bench, flash, pro) with deterministic random weights "
                         "instead of a checkpoint")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights with --preset (default 0)")
+    p.add_argument("--seed", type=_nonnegative_int, default=0,
+                   help="seed of the random weights with --preset (default 0)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
     p.set_defaults(func=run)
     return p
@@ -65,9 +121,21 @@ def run(args) -> int:
     if args.preset is not None and len(paths) != 1:
         return _fail(f"with --preset give only OUT_DIR, got {len(paths)} paths")
     checkpoint, out_dir = (None, paths[0]) if args.preset is not None else (paths[0], paths[1])
+    # The paths first: a missing checkpoint or a FIFO among its files is reported as such, before the exporter's
+    # imports (which may fail for want of torch, or take seconds)
+    try:
+        if checkpoint is not None:
+            check_checkpoint_path(checkpoint)
+        if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+            return _fail(f"output directory {out_dir!r} exists and is not a directory")
+    except CheckpointPathError as e:
+        return _fail(str(e))
+    # Imported before the try: a Ctrl-C during the exporter's imports below must reach the caller as a
+    # KeyboardInterrupt (an except clause naming a class imported inside the try would fail to evaluate).
+    from dsv4_ort.models.errors import CheckpointError
+
     try:
         from dsv4_ort.export import export_model
-        from dsv4_ort.models.errors import CheckpointError
 
         t0 = time.perf_counter()
         path = export_model(checkpoint, out_dir, preset=args.preset, weights=args.weights,
@@ -76,10 +144,8 @@ def run(args) -> int:
     except ImportError as e:
         return _fail(f"the exporter needs the 'export' extra (pip install 'dsv4-ort[export]'): {e}")
     except (CheckpointError, ValueError, OSError) as e:
-        return _fail(str(e))
+        return _fail(str(e) or type(e).__name__)
     if not args.quiet:
-        import os
-
         data = os.path.join(os.path.dirname(path), "model.onnx.data")
         print(f"wrote {path} (+ {os.path.getsize(data) / 2**30:.2f} GiB of weights) in "
               f"{time.perf_counter() - t0:.1f} s")
@@ -87,6 +153,6 @@ def run(args) -> int:
 
 
 def _fail(message: str) -> int:
-    line = " ".join(str(message).split())
+    line = " ".join(str(message).split()) or "failed"
     print(f"dsv4-ort export: error: {line}", file=sys.stderr)
     return 2

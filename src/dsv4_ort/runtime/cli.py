@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import math
 import os
+import re
+import shutil
+import stat
 import sys
 from pathlib import Path
 
@@ -24,6 +29,12 @@ def checkpoint_key(path: Path) -> str:
     """A content key for a checkpoint directory: config, index, and every shard's name, size and header."""
     h = hashlib.sha256()
     for f in sorted(path.iterdir()):
+        try:
+            regular = stat.S_ISREG(f.stat().st_mode)
+        except OSError:  # a dangling link
+            regular = False
+        if not regular:  # a FIFO would block the read (check_checkpoint_path reports one among the shards)
+            continue
         if f.suffix == ".json":
             h.update(f.name.encode() + f.read_bytes())
         elif f.suffix == ".safetensors":
@@ -34,10 +45,32 @@ def checkpoint_key(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def ensure_export(checkpoint: str | None, *, quiet: bool) -> Path:
-    """Exports the demo preset (or a checkpoint) into the cache once; returns the model directory."""
+def is_exported_model(path: Path) -> bool:
+    """Whether ``path`` is (or tries to be) a directory written by ``dsv4-ort export`` rather than a checkpoint."""
+    from dsv4_ort.export.files import META_FILE, MODEL_FILE
+
+    return path.is_dir() and ((path / MODEL_FILE).exists() or (path / META_FILE).exists())
+
+
+def _cached_export_ok(out: Path) -> bool:
+    """A cache entry is used only when its metadata reads back whole (format, export id of the data file)."""
+    from .session import ModelError, read_metadata
+
+    try:
+        read_metadata(out)
+    except ModelError:
+        return False
+    return True
+
+
+def ensure_export(checkpoint: str | None, *, quiet: bool, force: bool = False) -> Path:
+    """Exports the demo preset (or a checkpoint) into the cache once; returns the model directory.
+
+    A cache entry that does not read back (a damaged or partial export: see :func:`_cached_export_ok`), or any
+    entry with ``force``, is removed and exported again."""
     import dsv4_ort
     from dsv4_ort.export import schema
+    from dsv4_ort.export.cli import check_checkpoint_path
 
     tag = f"v{dsv4_ort.__version__}-ops{schema.TABLE_VERSION}"
     if checkpoint is None:
@@ -46,9 +79,17 @@ def ensure_export(checkpoint: str | None, *, quiet: bool) -> Path:
         ck = Path(checkpoint)
         if not ck.is_dir():
             raise FileNotFoundError(f"checkpoint directory {checkpoint!r} does not exist")
+        check_checkpoint_path(ck)  # before reading any file of it: a FIFO among them would block the read
         out = cache_dir() / "models" / f"{ck.name}-{checkpoint_key(ck)}-{tag}"
-    if (out / "model.onnx").is_file() and (out / "dsv4_ort.json").is_file():
-        return out
+    if out.exists() or out.is_symlink():
+        if not force and out.is_dir() and _cached_export_ok(out):
+            return out
+        if not quiet and not force:
+            print(f"the cached export {out} is damaged; exporting it again", file=sys.stderr)
+        if out.is_dir() and not out.is_symlink():
+            shutil.rmtree(out)
+        else:
+            out.unlink()
     try:
         from dsv4_ort.export import export_model
     except ImportError as e:  # pragma: no cover - depends on the installation
@@ -64,6 +105,55 @@ def ensure_export(checkpoint: str | None, *, quiet: bool) -> Path:
     return out
 
 
+def open_session(model_dir, *, threads: int, isa: str | None, need_text: bool = True, quiet: bool = False):
+    """``Session(model_dir)``. An unreadable tokenizer.json (which Session loads) is a ModelError naming the file
+    when text is needed (``need_text``); without it (``--ids``) the model is loaded without its tokenizer and the
+    output is token ids, with a one-line warning."""
+    from .session import ModelError, Session
+
+    try:
+        return Session(model_dir, intra_op_threads=threads or None, isa=isa)
+    except ModelError:
+        raise
+    except Exception:
+        tok = Path(model_dir) / "tokenizer.json"
+        why = _tokenizer_error(tok) if tok.is_file() else None
+        if why is None:
+            raise
+    if need_text:
+        raise ModelError(f"{tok} is corrupt: {why}")
+    if not quiet:
+        print(f"warning: {tok} is corrupt ({why}); ignoring it, output is token ids", file=sys.stderr)
+    # Session reads tokenizer.json whenever the tokenizers package imports; hidden for this one construction it
+    # loads the model alone, as it does where tokenizers is not installed
+    saved = sys.modules.get("tokenizers")
+    sys.modules["tokenizers"] = None
+    try:
+        return Session(model_dir, intra_op_threads=threads or None, isa=isa)
+    finally:
+        if saved is None:
+            sys.modules.pop("tokenizers", None)
+        else:
+            sys.modules["tokenizers"] = saved
+
+
+def _tokenizer_error(path: Path) -> str | None:
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    try:
+        Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exceptions
+        return _one_line(e)
+    return None
+
+
+def _one_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[-1] if lines else type(e).__name__
+
+
 def _speeds(stats: dict) -> str:
     pre = stats["prefill_tokens"] / stats["prefill_s"] if stats.get("prefill_s") else float("nan")
     dec = stats["decode_tokens"] / stats["decode_s"] if stats.get("decode_s") else float("nan")
@@ -72,10 +162,21 @@ def _speeds(stats: dict) -> str:
 
 
 def cmd_run(args) -> int:
-    from .session import Session
+    from .session import ModelError
 
-    model_dir = ensure_export(args.checkpoint, quiet=args.quiet)
-    sess = Session(model_dir, intra_op_threads=args.threads or None, isa=args.isa)
+    direct = args.checkpoint is not None and is_exported_model(Path(args.checkpoint))
+    if direct:  # an exported model directory: run it as it is (nothing to export, no torch needed)
+        model_dir = Path(args.checkpoint)
+        sess = open_session(model_dir, threads=args.threads, isa=args.isa)
+    else:
+        model_dir = ensure_export(args.checkpoint, quiet=args.quiet)
+        try:
+            sess = open_session(model_dir, threads=args.threads, isa=args.isa)
+        except ModelError as e:  # the cache entry reads back but does not load: export it once more
+            if not args.quiet:
+                print(f"the cached export {model_dir} does not load ({e}); exporting it again", file=sys.stderr)
+            model_dir = ensure_export(args.checkpoint, quiet=args.quiet, force=True)
+            sess = open_session(model_dir, threads=args.threads, isa=args.isa)
     prompt = DEMO_PROMPT if args.checkpoint is None or sess.tokenizer is None else sess.encode(args.prompt)
     stats: dict = {}
     ids = list(sess.stream(prompt, args.max_new_tokens, stats=stats))
@@ -85,21 +186,32 @@ def cmd_run(args) -> int:
     return 0
 
 
-def _parse_ids(text: str) -> list:
-    try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise ValueError(f"--ids must be comma-separated integers, got {text!r}") from None
-    if not ids:
-        raise ValueError("--ids is empty")
-    return ids
+_ID = re.compile(r"[0-9]+")
+
+
+def parse_ids(text: str) -> list:
+    """``--ids``: token ids separated by commas and/or whitespace ("1,2,3", "1 2 3", "1, 2, 3")."""
+    parts = [t for t in re.split(r"[\s,]+", text.strip()) if t]
+    if not parts:
+        raise ValueError(f"--ids is empty (give token ids separated by commas or spaces), got {text!r}")
+    for t in parts:
+        if not _ID.fullmatch(t):
+            raise ValueError(f"--ids: {t!r} is not a token id (ids are integers >= 0 separated by commas or "
+                             f"spaces), got {text!r}")
+    return [int(t) for t in parts]
 
 
 def cmd_generate(args) -> int:
-    from .session import Session
-
-    sess = Session(args.model_dir, intra_op_threads=args.threads or None, isa=args.isa)
-    prompt = _parse_ids(args.ids) if args.ids is not None else sess.encode(args.prompt)
+    prompt = parse_ids(args.ids) if args.ids is not None else None
+    sess = open_session(args.model_dir, threads=args.threads, isa=args.isa, need_text=prompt is None,
+                        quiet=args.quiet)
+    if prompt is not None:
+        bad = [i for i in prompt if i >= sess.vocab_size]
+        if bad:
+            raise ValueError(f"--ids: id {bad[0]} is outside the vocabulary [0, {sess.vocab_size}) of "
+                             f"{args.model_dir}")
+    else:
+        prompt = sess.encode(args.prompt)
     stats: dict = {}
     stop = [int(sess.config.get("eos_token_id", 1))] if args.stop_at_eos else None
     for tok in sess.stream(prompt, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -113,14 +225,73 @@ def cmd_generate(args) -> int:
     return 0
 
 
+# ---- argument types: each rejects a bad value with argparse's one-line usage error (status 2) ------------------
+
+def max_threads() -> int:
+    """The most intra-op threads accepted: 4 per CPU this process may use, at most 1024."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        n = os.cpu_count() or 1
+    return max(1, min(1024, 4 * n))
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+
+
+def nonnegative_int(text: str) -> int:
+    v = _int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def thread_count(text: str) -> int:
+    """0 (the default: physical cores) or 1 .. max_threads()."""
+    v = _int(text)
+    if not 0 <= v <= max_threads():
+        raise argparse.ArgumentTypeError(f"must be 0 (physical cores) or 1 .. {max_threads()} (4 per available "
+                                         f"CPU), got {v}")
+    return v
+
+
+def _float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return v
+
+
+def temperature(text: str) -> float:
+    v = _float(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return v
+
+
+def probability(text: str) -> float:
+    v = _float(text)
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    return v
+
+
 def add_parsers(sub, common) -> None:
     run = sub.add_parser("run", parents=[common], help="export (once, cached) and run a model: the built-in tiny "
                                                          "model by default")
     run.add_argument("--checkpoint", default=None, metavar="DIR", help="a DeepSeek-V4 checkpoint instead of the "
-                                                                       "built-in tiny model")
+                                                                       "built-in tiny model (or a model directory "
+                                                                       "written by `dsv4-ort export`, run as it is)")
     run.add_argument("--prompt", default="Hello", help="prompt text (checkpoints with a tokenizer)")
-    run.add_argument("--max-new-tokens", type=int, default=DEMO_NEW_TOKENS)
-    run.add_argument("--threads", type=int, default=0, help="intra-op threads (default: physical cores)")
+    run.add_argument("--max-new-tokens", type=nonnegative_int, default=DEMO_NEW_TOKENS)
+    run.add_argument("--threads", type=thread_count, default=0, help="intra-op threads (default: physical cores)")
     run.add_argument("--quiet", action="store_true")
     run.set_defaults(func=cmd_run)
 
@@ -128,16 +299,17 @@ def add_parsers(sub, common) -> None:
     gen.add_argument("model_dir", metavar="MODEL_DIR")
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs tokenizer.json in MODEL_DIR)")
-    src.add_argument("--ids", help="prompt token ids, comma-separated")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
+    src.add_argument("--ids", help="prompt token ids, separated by commas and/or spaces (no tokenizer needed)")
+    gen.add_argument("--max-new-tokens", type=nonnegative_int, default=64)
+    gen.add_argument("--temperature", type=temperature, default=0.0,
+                     help="0 (default): greedy; a positive temperature below 1e-6 is greedy too")
+    gen.add_argument("--top-p", type=probability, default=1.0, help="nucleus mass in (0, 1] (default 1)")
+    gen.add_argument("--top-k", type=nonnegative_int, default=0, help="keep the k most likely tokens (0: all)")
+    gen.add_argument("--seed", type=nonnegative_int, default=None)
     gen.add_argument("--stop-at-eos", action="store_true", help="stop after the end-of-sequence token")
-    gen.add_argument("--threads", type=int, default=0, help="intra-op threads (default: physical cores)")
+    gen.add_argument("--threads", type=thread_count, default=0, help="intra-op threads (default: physical cores)")
     gen.add_argument("--quiet", action="store_true", help="no speed summary")
     gen.set_defaults(func=cmd_generate)
 
 
-__all__ = ["add_parsers", "ensure_export", "cache_dir", "checkpoint_key", "DEMO_PROMPT"]
+__all__ = ["DEMO_PROMPT", "add_parsers", "cache_dir", "checkpoint_key", "ensure_export", "max_threads", "parse_ids"]

@@ -8,6 +8,7 @@ in chunks) and decode (one token per row) through the same graph.
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from ..export.files import DATA_FILE, FORMAT_VERSION, META_FILE, MODEL_FILE, read_export_trailer
-from .sampling import sample
+from .sampling import check_count, check_logits, check_sampling, check_seed, sample
 from .state import State
 
 
@@ -172,6 +173,35 @@ def _check_node_attributes(model_path: Path, domain: str) -> None:
                                  f"{a.type}, the node has {onnx.AttributeProto.AttributeType.Name(attr.type).lower()}")
 
 
+def _token_ids(value, name: str, vocab: int) -> np.ndarray:
+    """``value`` (nested sequences or an array of integers) as an int64 array, every id in [0, vocab).
+
+    Integer dtypes and Python ints only: a float array is a TypeError even when its values are whole, so an id is
+    never rounded or truncated (1.5 is not token 1); bools and strings are TypeErrors; an id outside the
+    vocabulary (also one too large for int64) is a ValueError naming its position."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{name} must be token ids (integers), got a {type(value).__name__}")
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{name} must be a rectangular array of token ids ({str(e).split('. ')[0]})") from None
+    if arr.size == 0:
+        return arr.astype(np.int64).reshape(arr.shape)
+    if arr.dtype.kind == "O":
+        for idx, v in np.ndenumerate(arr):
+            if not isinstance(v, numbers.Integral) or isinstance(v, (bool, np.bool_)):
+                raise TypeError(f"{name}{list(idx)} = {v!r} is not an integer token id")
+    elif arr.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integer token ids, got dtype {arr.dtype} (ids are not rounded: "
+                        "convert whole-valued floats with .astype(numpy.int64))")
+    bad = np.asarray((arr < 0) | (arr >= vocab), dtype=bool)
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        where = ", ".join(map(str, idx))
+        raise ValueError(f"{name}[{where}]={int(arr[idx])} is outside the vocabulary [0, {vocab})")
+    return np.ascontiguousarray(arr.astype(np.int64))
+
+
 _ONNX_TYPE_NAMES = {1: "float", 16: "bfloat16", 10: "float16", 17: "float8e4m3fn", 2: "uint8", 7: "int64"}
 
 
@@ -263,17 +293,24 @@ class Session:
         return logits
 
     def forward(self, input_ids, state: State, *, chunk_size: int | None = None) -> np.ndarray:
-        """Runs ``input_ids`` [B, S] (int64) from each row's current position; returns float32 logits
-        [B, S, V] (or [B, 1, V] for a model exported with last-position logits) and advances the state."""
-        ids = np.ascontiguousarray(np.asarray(input_ids, dtype=np.int64))
+        """Runs ``input_ids`` [B, S] from each row's current position; returns float32 logits [B, S, V] (or
+        [B, 1, V] for a model exported with last-position logits) and advances the state.
+
+        ``input_ids``: integers (any numpy integer dtype or Python ints); float and bool arrays are a TypeError
+        even when every value is whole (ids are never rounded: convert with ``.astype(np.int64)``), an id outside
+        the vocabulary a ValueError. ``chunk_size``: None (the session's ``prefill_chunk``, else one chunk) or an
+        integer >= 1."""
+        if chunk_size is not None:
+            chunk_size = check_count("chunk_size", chunk_size, minimum=1)
+        if self.prefill_chunk is not None:
+            check_count("prefill_chunk", self.prefill_chunk, minimum=1)
+        if not isinstance(state, State):
+            raise TypeError(f"state must be a State (Session.new_state), got {type(state).__name__}")
+        ids = _token_ids(input_ids, "input_ids", self.vocab_size)
         if ids.ndim != 2 or ids.shape[1] < 1:
             raise ValueError(f"input_ids must be [batch, seq] with seq >= 1, got shape {ids.shape}")
         if ids.shape[0] != state.batch_size:
             raise ValueError(f"input_ids has {ids.shape[0]} rows but the state holds {state.batch_size}")
-        bad = (ids < 0) | (ids >= self.vocab_size)
-        if bad.any():
-            b, s = map(int, np.argwhere(bad)[0])
-            raise ValueError(f"input_ids[{b}, {s}]={int(ids[b, s])} is outside the vocabulary [0, {self.vocab_size})")
         end = int(state.positions.max()) + ids.shape[1]
         if end > self.max_seq_len:
             raise ValueError(f"sequence would reach position {end} but the model's capacity is {self.max_seq_len} "
@@ -286,25 +323,59 @@ class Session:
 
     # ---- generation ----------------------------------------------------------------------------------------------
 
+    def _check_generation(self, prompt_len: int, max_new_tokens, temperature, top_p, top_k, seed, stop_ids,
+                          start: int = 0) -> tuple:
+        """Validated generation arguments (see :mod:`.sampling` for the sampling parameters)."""
+        max_new_tokens = check_count("max_new_tokens", max_new_tokens)
+        temperature, top_k, top_p = check_sampling(temperature, top_k, top_p)
+        seed = check_seed(seed)
+        if stop_ids is None:
+            stops = set()
+        else:
+            if isinstance(stop_ids, (str, bytes)) or not hasattr(stop_ids, "__iter__"):
+                raise TypeError(f"stop_ids must be a sequence of token ids, got {type(stop_ids).__name__}")
+            stops = {check_count("stop_ids item", t) for t in stop_ids}
+        if start + prompt_len + max_new_tokens > self.max_seq_len:
+            at = f" from position {start}" if start else ""
+            raise ValueError(f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}){at} exceeds the model's "
+                             f"capacity of {self.max_seq_len} tokens")
+        return max_new_tokens, temperature, top_k, top_p, seed, stops
+
     def stream(self, prompt_ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: int | None = None, stop_ids: Sequence[int] | None = None,
                state: State | None = None, stats: dict | None = None) -> Iterator[int]:
-        """Yields up to ``max_new_tokens`` new token ids for one prompt (stops after a stop id, which is yielded)."""
-        prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(1, -1)
-        if prompt.shape[1] == 0:
+        """Yields up to ``max_new_tokens`` new token ids for one prompt (stops after a stop id, which is yielded).
+
+        Every argument is checked when ``stream`` is called, before anything runs (see :mod:`.sampling` for the
+        sampling parameters; ``max_new_tokens`` is an integer >= 0, ``seed`` None or an integer >= 0). Logits
+        that are not finite are a ValueError naming the step (step 0 samples from the prompt's logits)."""
+        prompt = _token_ids(prompt_ids, "prompt_ids", self.vocab_size)
+        if prompt.ndim == 2 and prompt.shape[0] == 1:
+            prompt = prompt[0]
+        if prompt.ndim != 1:
+            raise ValueError(f"prompt_ids must be one sequence of token ids, got shape {prompt.shape} (use "
+                             "generate for a batch)")
+        if prompt.shape[0] == 0:
             raise ValueError("the prompt is empty")
-        if prompt.shape[1] + max_new_tokens > self.max_seq_len:
-            raise ValueError(f"prompt ({prompt.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-                             f"capacity of {self.max_seq_len} tokens")
+        if state is not None and not isinstance(state, State):
+            raise TypeError(f"state must be a State (Session.new_state), got {type(state).__name__}")
+        if state is not None and state.batch_size != 1:
+            raise ValueError(f"stream runs one sequence but the state holds {state.batch_size}")
+        start = 0 if state is None else int(state.positions.max())
+        args = self._check_generation(prompt.shape[0], max_new_tokens, temperature, top_p, top_k, seed, stop_ids,
+                                      start)
+        return self._stream(prompt.reshape(1, -1), state, stats, *args)
+
+    def _stream(self, prompt, state, stats, max_new_tokens, temperature, top_k, top_p, seed, stops):
         state = state or self.new_state(1)
         rng = np.random.default_rng(seed)
-        stops = set(stop_ids or ())
         t0 = time.perf_counter()
         logits = self.forward(prompt, state)[:, -1]
         t1 = time.perf_counter()
         if stats is not None:
             stats.update(prefill_tokens=prompt.shape[1], prefill_s=t1 - t0, decode_tokens=0, decode_s=0.0)
         for i in range(max_new_tokens):
+            check_logits(logits, step=i)
             tok = int(sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, rng=rng)[0])
             yield tok
             if tok in stops or i == max_new_tokens - 1:
@@ -317,21 +388,28 @@ class Session:
 
     def generate(self, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, stop_ids: Sequence[int] | None = None) -> list:
-        """New token ids for one prompt (list of ints) or a batch of equal-length prompts (list of lists)."""
-        arr = np.asarray(prompt_ids, dtype=np.int64)
+        """New token ids for one prompt (list of ints) or a batch of equal-length prompts (list of lists).
+        Arguments are checked as by :meth:`stream`."""
+        arr = _token_ids(prompt_ids, "prompt_ids", self.vocab_size)
         if arr.ndim == 1:
             return list(self.stream(arr, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                     seed=seed, stop_ids=stop_ids))
         if arr.ndim != 2:
             raise ValueError(f"prompt_ids must be 1-D or 2-D, got shape {arr.shape}")
+        if arr.shape[0] == 0 or arr.shape[1] == 0:
+            raise ValueError(f"the prompt batch is empty (shape {arr.shape})")
+        max_new_tokens, temperature, top_k, top_p, seed, stops = self._check_generation(
+            arr.shape[1], max_new_tokens, temperature, top_p, top_k, seed, stop_ids)
         B = arr.shape[0]
+        out = [[] for _ in range(B)]
+        if max_new_tokens == 0:
+            return out
         state = self.new_state(B)
         rng = np.random.default_rng(seed)
-        stops = set(stop_ids or ())
-        out = [[] for _ in range(B)]
         done = np.zeros(B, bool)
         logits = self.forward(arr, state)[:, -1]
         for step in range(max_new_tokens):
+            check_logits(logits, step=step)
             toks = sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, rng=rng)
             for b in range(B):
                 if not done[b]:
@@ -345,10 +423,12 @@ class Session:
     # ---- text ----------------------------------------------------------------------------------------------------
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list:
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
         if self.tokenizer is None:
             raise ModelError(f"{self.model_dir} has no tokenizer.json (or the tokenizers package is missing); "
                              "pass token ids instead")
-        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self.tokenizer.encode(text, add_special_tokens=bool(add_special_tokens)).ids
         bad = [i for i in ids if i >= self.vocab_size]
         if bad:
             raise ModelError(f"the tokenizer produced id {bad[0]} outside the model's vocabulary ({self.vocab_size})")
@@ -358,12 +438,20 @@ class Session:
         """Answers a conversation ([{"role", "content"}, ...]) in DeepSeek-V4's chat format; returns the text."""
         from .chat import format_chat
 
+        unknown = sorted(set(sampling) - {"temperature", "top_p", "top_k", "seed"})
+        if unknown:
+            raise TypeError(f"chat: unknown sampling argument(s) {', '.join(unknown)} (temperature, top_p, top_k, "
+                            "seed)")
+        check_count("max_new_tokens", max_new_tokens)
         ids = self.encode(format_chat(messages, thinking=thinking), add_special_tokens=False)
         eos = int(self.config.get("eos_token_id", 1))
         out = self.generate(ids, max_new_tokens, stop_ids=[eos], **sampling)
         return self.decode([t for t in out if t != eos])
 
     def decode(self, ids: Sequence[int]) -> str:
+        arr = _token_ids(ids, "ids", self.vocab_size)
+        if arr.ndim != 1:
+            raise ValueError(f"decode takes one sequence of token ids, got shape {arr.shape}")
         if self.tokenizer is None:
-            return " ".join(str(i) for i in ids)
-        return self.tokenizer.decode(list(ids))
+            return " ".join(str(i) for i in arr.tolist())
+        return self.tokenizer.decode(arr.tolist())
