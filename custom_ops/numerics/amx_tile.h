@@ -29,7 +29,7 @@
 // Emulated semantics of TDPBF16PS (C fp32, A and B bf16 pairs). This is the Intel SDM pseudo-code; it matched an
 // AMX Xeon (with AVX512-FP16, so Sapphire Rapids or later) bit for bit on every input tried: random tiles,
 // cancellation-heavy exponent ranges, product underflow/overflow, denormal, Inf and NaN inputs (the hardware
-// tests in tests/custom_ops/kernels/test_gemm_bf16.cc repeat this wherever AMX is usable):
+// tests in tests/custom_ops/kernels/test_amx_tile.cc repeat this wherever AMX is usable):
 //   for each (m, n):
 //     even = +0, odd = +0                                   two fp32 partial sums, one per half of the pair
 //     for k in 0 .. A.colsb/4 - 1:                          in increasing k

@@ -5,7 +5,6 @@
 #include <array>
 
 #include "kernels/compressor.h"
-#include "kernels/gemm_bf16.h"
 #include "kernels/hyper_connection.h"
 #include "kernels/indexer.h"
 #include "kernels/linear.h"
@@ -33,8 +32,6 @@ const Variants<MoeRoutingKernels> kMoeRoutingVariants = {
 const Variants<HyperConnectionKernels> kHyperConnectionVariants = {
     &ref::kHyperConnection, DSV4_X86_TABLE(avx2, kHyperConnection), DSV4_X86_TABLE(avx512, kHyperConnection),
     nullptr};
-const Variants<GemmBf16Kernels> kGemmBf16Variants = {&ref::kGemmBf16, nullptr, nullptr,
-                                                     DSV4_X86_TABLE(amx, kGemmBf16)};
 const Variants<NormRopeKernels> kNormRopeVariants = {&ref::kNormRope, DSV4_X86_TABLE(avx2, kNormRope),
                                                      DSV4_X86_TABLE(avx512, kNormRope), nullptr};
 const Variants<CompressorKernels> kCompressorVariants = {&ref::kCompressor, DSV4_X86_TABLE(avx2, kCompressor),
@@ -66,7 +63,6 @@ KernelTables Build(IsaLevel level) {
   t.level = level;
   Pick(kMoeRoutingVariants, level, &t.moe_routing, &t.moe_routing_level);
   Pick(kHyperConnectionVariants, level, &t.hyper_connection, &t.hyper_connection_level);
-  Pick(kGemmBf16Variants, level, &t.gemm_bf16, &t.gemm_bf16_level);
   Pick(kNormRopeVariants, level, &t.norm_rope, &t.norm_rope_level);
   Pick(kCompressorVariants, level, &t.compressor, &t.compressor_level);
   Pick(kIndexerVariants, level, &t.indexer, &t.indexer_level);

@@ -13,7 +13,6 @@ namespace dsv4 {
 
 struct MoeRoutingKernels;
 struct HyperConnectionKernels;
-struct GemmBf16Kernels;
 struct NormRopeKernels;
 struct CompressorKernels;
 struct IndexerKernels;
@@ -25,7 +24,6 @@ struct MoeExpertsKernels;
 #define DSV4_KERNEL_FAMILIES(X)                                  \
   X(moe_routing, MoeRoutingKernels, "moe_routing")               \
   X(hyper_connection, HyperConnectionKernels, "hyper_connection") \
-  X(gemm_bf16, GemmBf16Kernels, "gemm_bf16")                   \
   X(norm_rope, NormRopeKernels, "norm_rope")                   \
   X(compressor, CompressorKernels, "compressor")               \
   X(indexer, IndexerKernels, "indexer")                        \

@@ -1,21 +1,17 @@
-// Tests for the AMX tile layer (custom_ops/numerics/amx_tile.h) and the bf16 GEMM family (kernels/gemm_bf16.h).
+// Tests for the AMX tile layer (custom_ops/numerics/amx_tile.h): tile configuration, load, dot products and store.
 //
 //   amx_tile_emu_*      the emulated tiles against an independent scalar model of the instruction semantics
 //                       documented in amx_tile.h (soft-float with integer significands here, TwoSum/round-to-odd
 //                       there), bit for bit, on random tiles of every shape including denormal, Inf and NaN
-//                       inputs; hand cases with values measured on AMX hardware; configuration/shape validation.
-//   gemm_bf16_*         ref / amx_emu / amx tables: each table's gemm consumes its own pack_b; amx_emu vs ref on
-//                       odd shapes within the fp32 accumulation bound; real AMX vs ref and bit-exact vs amx_emu.
+//                       inputs; chains of dot products over several K blocks into one C tile; hand cases with
+//                       values measured on AMX hardware; configuration/shape validation.
 //   amx_tile_hw_*       only where AMX is usable (CPUID + XCR0 + kernel permission): the real instructions vs the
 //                       emulation, bit for bit. Elsewhere they end as skipped with the reason.
-#include <atomic>
-#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #if defined(__unix__)
@@ -29,10 +25,7 @@
 #include "custom_ops/numerics/amx_tile.h"
 #undef DSV4_AMX_EMULATION
 
-#include "custom_ops/kernels/gemm_bf16.h"
-#include "custom_ops/numerics/bf16.h"
 #include "custom_ops/platform/cpu_features.h"
-#include "custom_ops/platform/parallel.h"
 #include "kt.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -45,12 +38,6 @@
 namespace {
 
 namespace emu = dsv4::amx_emu;
-
-uint32_t Bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
 
 std::string Hex(uint32_t u) {
   char buf[16];
@@ -462,108 +449,6 @@ void FillTile(std::mt19937& rng, DpOp op, Dist d, TileCase* t, bool full_shape) 
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Threads for the kernels' Parallel: a fresh std::thread per worker and call, so every task starts on a thread
-// whose tile state is unconfigured.
-
-struct ThreadsBackend {
-  int threads;
-};
-
-void RunOnThreads(void* backend, size_t num_tasks, dsv4::Parallel::TaskFn fn, void* arg) {
-  const int threads = static_cast<ThreadsBackend*>(backend)->threads;
-  std::atomic<size_t> next{0};
-  std::vector<std::thread> workers;
-  for (int i = 0; i < threads; ++i) {
-    workers.emplace_back([&] {
-      for (size_t task = next++; task < num_tasks; task = next++) fn(arg, task);
-    });
-  }
-  for (auto& w : workers) w.join();
-}
-
-dsv4::Parallel ThreadedParallel(ThreadsBackend* backend) {
-  dsv4::Parallel par;
-  par.backend = backend;
-  par.run = RunOnThreads;
-  par.num_threads = backend->threads;
-  return par;
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-// GEMM helpers.
-
-struct GemmProblem {
-  size_t m, n, k, lda, ldb, ldc;
-  std::vector<uint16_t> a, b;
-};
-
-// Values in [-1, 1] rounded to bf16 (some exact zeros); the padding columns of A and B hold NaN, which the
-// kernels must never read into a result.
-GemmProblem MakeProblem(std::mt19937& rng, size_t m, size_t n, size_t k, size_t pad) {
-  GemmProblem p{m, n, k, k + pad, k + pad, n + pad, {}, {}};
-  std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
-  const uint16_t kNanBf16 = 0x7FC0;
-  p.a.assign(m * p.lda + 1, kNanBf16);
-  p.b.assign(n * p.ldb + 1, kNanBf16);
-  for (size_t i = 0; i < m; ++i) {
-    for (size_t j = 0; j < k; ++j) p.a[i * p.lda + j] = rng() % 16 == 0 ? 0 : dsv4::F32ToBf16(uni(rng));
-  }
-  for (size_t i = 0; i < n; ++i) {
-    for (size_t j = 0; j < k; ++j) p.b[i * p.ldb + j] = rng() % 16 == 0 ? 0 : dsv4::F32ToBf16(uni(rng));
-  }
-  return p;
-}
-
-// Packs with `table` and runs its gemm; C padding columns are preset to a sentinel that must survive.
-constexpr float kSentinel = -12345.0f;
-
-std::vector<float> RunGemm(const dsv4::GemmBf16Kernels& table, const GemmProblem& p, const dsv4::Parallel& par) {
-  std::vector<uint8_t> packed(table.packed_b_size(p.n, p.k) + 64);
-  void* aligned = packed.data() + (64 - reinterpret_cast<uintptr_t>(packed.data()) % 64) % 64;
-  table.pack_b(p.b.data(), p.ldb, p.n, p.k, aligned);
-  std::vector<float> c(p.m * p.ldc, kSentinel);
-  table.gemm(p.a.data(), p.lda, aligned, p.m, p.n, p.k, c.data(), p.ldc, par);
-  return c;
-}
-
-std::string Shape(const GemmProblem& p) {
-  return "M=" + std::to_string(p.m) + " N=" + std::to_string(p.n) + " K=" + std::to_string(p.k) +
-         " pad=" + std::to_string(p.lda - p.k);
-}
-
-// Every output within 2 (K + 2) 2^-24 sum_k |a b| of the reference (both are fp32 sums of exact products, in
-// different orders); the C padding columns untouched. Returns the number of violations.
-int CheckAgainstRef(const GemmProblem& p, const std::vector<float>& got, const std::vector<float>& ref,
-                    std::string* first) {
-  int bad = 0;
-  for (size_t i = 0; i < p.m; ++i) {
-    for (size_t j = 0; j < p.ldc; ++j) {
-      const float g = got[i * p.ldc + j];
-      if (j >= p.n) {
-        if (Bits(g) != Bits(kSentinel) && bad++ == 0) *first = "padding of C overwritten";
-        continue;
-      }
-      double abs_sum = 0.0;
-      for (size_t q = 0; q < p.k; ++q) {
-        abs_sum += std::fabs(static_cast<double>(dsv4::Bf16ToF32(p.a[i * p.lda + q])) *
-                             dsv4::Bf16ToF32(p.b[j * p.ldb + q]));
-      }
-      const double bound = 2.0 * (static_cast<double>(p.k) + 2.0) * std::ldexp(1.0, -24) * abs_sum;
-      const double r = ref[i * p.ldc + j];
-      if (!(std::fabs(g - r) <= bound) && bad++ == 0) {
-        *first = "C[" + std::to_string(i) + "][" + std::to_string(j) + "] = " + std::to_string(g) + ", ref " +
-                 std::to_string(r) + ", bound " + std::to_string(bound);
-      }
-    }
-  }
-  return bad;
-}
-
-const size_t kShapeM[] = {1, 3, 16, 17, 33, 64 + 5};
-const size_t kShapeN[] = {1, 15, 16, 17, 48 + 3};
-const size_t kShapeK[] = {2, 30, 32, 33, 64, 130};
-
-// ---------------------------------------------------------------------------------------------------------------
 // Hand cases: one output element, values measured on AMX hardware (a Sapphire Rapids or later Xeon).
 // pairs = (a, b) bf16 per K element, K index 0, 1, 2, ... (even indices form the even partial sum).
 
@@ -656,6 +541,41 @@ KT_TEST(amx_tile_emu_int8_matches_model) {
       std::string first;
       const int bad = CompareC(t, RunEmulated(op, t), RunModel(op, t), &first);
       KT_CHECK(bad == 0) << OpName(op) << " trial " << trial << ": " << bad << " elements differ, first " << first;
+    }
+  }
+}
+
+KT_TEST(amx_tile_emu_dpbf16ps_chains_k_blocks) {
+  // One C tile accumulated over several K blocks, as a GEMM runs it: C is loaded once, each block's A and B tiles
+  // are loaded and multiplied into it, and C is stored once; the model applies the blocks one after another.
+  std::mt19937 rng(4242);
+  for (Dist d : {Dist::kMixed, Dist::kCancel, Dist::kSpecial}) {
+    for (int trial = 0; trial < 8; ++trial) {
+      constexpr int kBlocks = 5;
+      static TileCase t[kBlocks];
+      for (int blk = 0; blk < kBlocks; ++blk) {
+        FillTile(rng, DpOp::kBf16, d, &t[blk], trial % 2 == 0);
+        t[blk].rows = t[0].rows;
+        t[blk].k_groups = t[0].k_groups;
+        t[blk].n_cols = t[0].n_cols;
+      }
+      std::vector<uint8_t> got(t[0].c, t[0].c + 1024);
+      emu::TileLoadConfig(ConfigFor(t[0]));
+      emu::TileLoad<0>(got.data(), 64);
+      for (const TileCase& blk : t) {
+        emu::TileLoad<1>(blk.a, 64);
+        emu::TileLoad<2>(blk.b, 64);
+        emu::TileDpbf16ps<0, 1, 2>();
+      }
+      emu::TileStore<0>(got.data(), 64);
+      emu::TileRelease();
+      std::vector<uint8_t> want(t[0].c, t[0].c + 1024);
+      for (const TileCase& blk : t) {
+        model::Dpbf16ps(want.data(), blk.a, blk.b, blk.rows, blk.k_groups, blk.n_cols);
+      }
+      std::string first;
+      const int bad = CompareC(t[0], got, want, &first);
+      KT_CHECK(bad == 0) << DistName(d) << " trial " << trial << ": " << bad << " elements differ, first " << first;
     }
   }
 }
@@ -791,85 +711,6 @@ KT_TEST(amx_tile_emu_rejects_bad_configuration) {
 #endif
 
 // ---------------------------------------------------------------------------------------------------------------
-// GEMM tables.
-
-// Each table's pack_b writes every byte of its packed buffer (no dependence on the buffer's old contents) and its
-// gemm reads that layout.
-void CheckPackCoversBuffer(const char* name, const dsv4::GemmBf16Kernels& table) {
-  std::mt19937 rng(5);
-  for (size_t n : {1, 17, 51}) {
-    for (size_t k : {2, 33, 130}) {
-      const GemmProblem p = MakeProblem(rng, 1, n, k, 3);
-      const size_t bytes = table.packed_b_size(n, k);
-      std::vector<uint8_t> x(bytes, 0x00), y(bytes, 0xFF);
-      table.pack_b(p.b.data(), p.ldb, n, k, x.data());
-      table.pack_b(p.b.data(), p.ldb, n, k, y.data());
-      KT_CHECK(x == y) << name << ": pack_b leaves bytes unwritten for N=" << n << " K=" << k;
-    }
-  }
-}
-
-KT_TEST(gemm_bf16_pack_b_writes_every_byte) {
-  CheckPackCoversBuffer("ref", dsv4::ref::kGemmBf16);
-#if defined(DSV4_HAVE_AMX_EMULATION)
-  CheckPackCoversBuffer("amx_emu", dsv4::amx_emu::kGemmBf16);
-#endif
-}
-
-KT_TEST(gemm_bf16_ref_hand_values) {
-  // A = [[1, 2, 3]], B = [[1, 0, -1], [0.5, 0.5, 0.5]] -> C = [[-2, 3]]
-  const uint16_t a[] = {0x3F80, 0x4000, 0x4040};
-  const uint16_t b[] = {0x3F80, 0x0000, 0xBF80, 0x3F00, 0x3F00, 0x3F00};
-  const dsv4::GemmBf16Kernels& t = dsv4::ref::kGemmBf16;
-  std::vector<uint8_t> packed(t.packed_b_size(2, 3));
-  t.pack_b(b, 3, 2, 3, packed.data());
-  float c[2] = {7, 7};
-  t.gemm(a, 3, packed.data(), 1, 2, 3, c, 2, dsv4::SerialParallel());
-  KT_CHECK_EQ(c[0], -2.0f);
-  KT_CHECK_EQ(c[1], 3.0f);
-}
-
-#if defined(DSV4_HAVE_AMX_EMULATION)
-KT_TEST(gemm_bf16_amx_emu_matches_ref_odd_shapes) {
-  std::mt19937 rng(42);
-  ThreadsBackend three{3};
-  const dsv4::Parallel threaded = ThreadedParallel(&three);
-  int cases = 0;
-  for (size_t m : kShapeM) {
-    for (size_t n : kShapeN) {
-      for (size_t k : kShapeK) {
-        const size_t pad = (cases % 3 == 1) ? 3 : 0;
-        const GemmProblem p = MakeProblem(rng, m, n, k, pad);
-        const bool use_threads = cases % 2 == 1;
-        const auto ref = RunGemm(dsv4::ref::kGemmBf16, p, dsv4::SerialParallel());
-        const auto got = RunGemm(dsv4::amx_emu::kGemmBf16, p, use_threads ? threaded : dsv4::SerialParallel());
-        std::string first;
-        const int bad = CheckAgainstRef(p, got, ref, &first);
-        KT_CHECK(bad == 0) << Shape(p) << (use_threads ? " (3 threads)" : "") << ": " << bad << " bad, first "
-                           << first;
-        KT_CHECK(!emu::TilesConfigured()) << Shape(p) << ": tiles left configured after the gemm";
-        ++cases;
-      }
-    }
-  }
-  KT_CHECK(cases == 180);
-}
-
-KT_TEST(gemm_bf16_amx_emu_k_zero_and_empty) {
-  std::mt19937 rng(3);
-  const GemmProblem p = MakeProblem(rng, 5, 7, 0, 1);
-  const auto got = RunGemm(dsv4::amx_emu::kGemmBf16, p, dsv4::SerialParallel());
-  for (size_t i = 0; i < p.m; ++i) {
-    for (size_t j = 0; j < p.n; ++j) KT_CHECK(Bits(got[i * p.ldc + j]) == 0) << "K=0 must give +0";
-  }
-  float c = kSentinel;  // M = 0 / N = 0: nothing written, nothing read
-  dsv4::amx_emu::kGemmBf16.gemm(nullptr, 1, nullptr, 0, 1, 4, &c, 1, dsv4::SerialParallel());
-  dsv4::amx_emu::kGemmBf16.gemm(nullptr, 1, nullptr, 1, 0, 4, &c, 1, dsv4::SerialParallel());
-  KT_CHECK_EQ(c, kSentinel);
-}
-#endif
-
-// ---------------------------------------------------------------------------------------------------------------
 // Real AMX.
 
 KT_TEST(amx_tile_hw_matches_emulation) {
@@ -891,48 +732,6 @@ KT_TEST(amx_tile_hw_matches_emulation) {
         const int bad = CompareC(t, RunHardware(op, t), RunEmulated(op, t), &first);
         KT_CHECK(bad == 0) << OpName(op) << " " << DistName(d) << " trial " << trial << ": " << bad
                            << " elements differ (hardware vs emulation), first " << first;
-      }
-    }
-  }
-#endif
-}
-
-KT_TEST(gemm_bf16_amx_matches_ref_and_emulation) {
-  std::string why;
-  if (!AmxUsable(&why)) kt::Skip("real AMX not usable: " + why);
-#if DSV4_TEST_HW_AMX && defined(DSV4_X86_VARIANTS)
-  CheckPackCoversBuffer("amx", dsv4::amx::kGemmBf16);
-  std::mt19937 rng(99);
-  ThreadsBackend two{2};
-  const dsv4::Parallel threaded = ThreadedParallel(&two);
-  int cases = 0;
-  for (size_t m : kShapeM) {
-    for (size_t n : kShapeN) {
-      for (size_t k : kShapeK) {
-        GemmProblem p = MakeProblem(rng, m, n, k, cases % 3 == 2 ? 3 : 0);
-        const dsv4::Parallel& par = cases % 2 == 0 ? threaded : dsv4::SerialParallel();
-        const auto ref = RunGemm(dsv4::ref::kGemmBf16, p, dsv4::SerialParallel());
-        const auto hw = RunGemm(dsv4::amx::kGemmBf16, p, par);
-        std::string first;
-        const int bad = CheckAgainstRef(p, hw, ref, &first);
-        KT_CHECK(bad == 0) << "amx vs ref " << Shape(p) << ": " << bad << " bad, first " << first;
-#if defined(DSV4_HAVE_AMX_EMULATION)
-        // Bit-exact vs the emulation, on these values and again with denormal / Inf / NaN / extreme inputs.
-        for (int special = 0; special < 2; ++special) {
-          if (special) {
-            for (auto* v : {&p.a, &p.b}) {
-              for (uint16_t& x : *v) x = rng() % 5 == 0 ? SpecialBf16(rng) : x;
-            }
-          }
-          const auto hw2 = special ? RunGemm(dsv4::amx::kGemmBf16, p, par) : hw;
-          const auto em = RunGemm(dsv4::amx_emu::kGemmBf16, p, dsv4::SerialParallel());
-          int diff = 0;
-          for (size_t i = 0; i < hw2.size(); ++i) diff += Bits(hw2[i]) != Bits(em[i]);
-          KT_CHECK(diff == 0) << "amx vs amx_emu " << Shape(p) << (special ? " (special values)" : "") << ": " << diff
-                              << " outputs differ";
-        }
-#endif
-        ++cases;
       }
     }
   }
