@@ -1,13 +1,8 @@
 // AVX2 Compressor step (compressor.h) on 8-lane vectors; the algorithm is in compressor_simd.inc. Entries match
 // compressor_ref.cc within a few fp32 ulps (bf16 entries: one bf16 ulp, rarely); the state is bit-identical.
-#include <immintrin.h>
-
-#include <cmath>
-#include <cstdint>
-#include <cstring>
+#include "custom_ops/kernels/isa_prelude.h"
 
 #include "custom_ops/kernels/compressor.h"
-#include "custom_ops/numerics/bf16.h"
 #include "custom_ops/platform/thread_scratch.h"
 
 namespace dsv4 {

@@ -1,21 +1,8 @@
 // AVX512 Compressor step (compressor.h) on 16-lane vectors; the algorithm is in compressor_simd.inc. Entries match
 // compressor_ref.cc within a few fp32 ulps (bf16 entries: one bf16 ulp, rarely); the state is bit-identical.
-#if defined(__GNUC__) && !defined(__clang__)  // GCC 12 flags its own _mm512_undefined_* placeholders (PR 105593)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
-
-#include <cmath>
-#include <cstdint>
-#include <cstring>
+#include "custom_ops/kernels/isa_prelude.h"
 
 #include "custom_ops/kernels/compressor.h"
-#include "custom_ops/numerics/bf16.h"
 #include "custom_ops/platform/thread_scratch.h"
 
 namespace dsv4 {

@@ -10,24 +10,13 @@
 // multiple of 32), B = the query in VNNI order qt [cIp/2][HGp][2] (channel pairs down, heads across), packed once
 // per query, C = 16 entries x 16 heads; a 2 x 2 block of C tiles covers 32 entries x 32 heads per pass over the
 // channels. The C tiles go to sc [32][HGp] and every entry's row of head dots is reduced on vectors.
-#if !defined(DSV4_AMX_EMULATION) && defined(__GNUC__) && !defined(__clang__)
-// GCC 12 flags its own _mm512_undefined_* placeholders (PR 105593).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
-#endif
+#include "custom_ops/kernels/isa_prelude.h"
 
-#include <cmath>
-#include <cstdint>
 #include <cstdlib>
-#include <cstring>
 
 #include "custom_ops/kernels/indexer.h"
 #include "custom_ops/kernels/topk_select.h"
 #include "custom_ops/numerics/amx_tile.h"
-#include "custom_ops/numerics/bf16.h"
 #include "custom_ops/platform/thread_scratch.h"
 
 namespace dsv4 {

@@ -2,24 +2,12 @@
 // a time), the weighted relu head sum in registers, and the radix top-k of topk_select.h. The algorithm is in
 // indexer_simd.inc. Scores match indexer_ref.cc within fp32 summation-order rounding (the reference sums the dots in
 // double), so the selected indices equal the reference's wherever the scores are not closer than that.
-#if defined(__GNUC__) && !defined(__clang__)  // GCC 12 flags its own _mm512_undefined_* placeholders (PR 105593)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+#include "custom_ops/kernels/isa_prelude.h"
 
-#include <cmath>
-#include <cstdint>
 #include <cstdlib>
-#include <cstring>
 
 #include "custom_ops/kernels/indexer.h"
 #include "custom_ops/kernels/topk_select.h"
-#include "custom_ops/numerics/bf16.h"
 #include "custom_ops/platform/thread_scratch.h"
 
 namespace dsv4 {

@@ -25,32 +25,18 @@
 // activations of at most kFoldRows rows are folded into one part (TileLayoutOf: 3m tile rows, at most two token
 // blocks) and unfolded in FinishTile. Weight rows
 // past n1 and columns past Kw decode as zeros and padded tokens are zeros, so edges need no special tiles.
-// GCC 12 reports its own _mm512_undefined_* placeholders as uninitialised (GCC PR 105593); silence only that.
-// Included before amx_tile.h, which includes it again.
-#if !defined(DSV4_AMX_EMULATION)
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
-#endif
-
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
+#include "custom_ops/kernels/isa_prelude.h"
 
 #include "custom_ops/kernels/linear_blocks.h"
 #include "custom_ops/numerics/amx_tile.h"
-#include "custom_ops/numerics/bf16.h"
-
 
 namespace dsv4 {
 namespace DSV4_AMX_NS {
 namespace {
+
+#if !defined(DSV4_AMX_EMULATION)
+#include "custom_ops/kernels/simd_avx512.inc"
+#endif
 
 constexpr int64_t kBlockRows = 128;  // weight rows decoded together (tile_rows)
 constexpr int64_t kMaxChunk = 4096;  // columns per decoded chunk: 128 x 4096 bf16 = 1 MiB
@@ -147,38 +133,12 @@ void StoreTransposed(const float* c, int64_t ldc, int64_t rows, int64_t tokens, 
     // Transpose through 16 registers, then one (masked) row store per token.
     __m512i r[16];
     for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(c + i * ldc);
-    __m512i t[16], u[16];
-    for (int i = 0; i < 8; ++i) {
-      t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-      t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int g = 0; g < 4; ++g) {
-      u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
-      u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
-      u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
-      u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
-    }
-    for (int j = 0; j < 4; ++j) {
-      const __m512i x0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), x1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE);
-      const __m512i y0 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
-      const __m512i y1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
-      r[j] = _mm512_shuffle_i32x4(x0, y0, 0x88);
-      r[4 + j] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
-      r[8 + j] = _mm512_shuffle_i32x4(x1, y1, 0x88);
-      r[12 + j] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
-    }
+    Transpose16(r);
     for (int64_t tok = 0; tok < tokens; ++tok) {
       const int64_t at = (tok0 + tok) * out.ld + col0;
       if (out.bf16) {
         // nearest-even with denormals kept (F32ToBf16), NaN quietened
-        const __m512i u32 = r[tok];
-        const __m512i up = _mm512_srli_epi32(u32, 16);
-        __m512i b = _mm512_srli_epi32(
-            _mm512_add_epi32(u32, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(up, _mm512_set1_epi32(1)))),
-            16);
-        const __mmask16 nan = _mm512_cmp_ps_mask(_mm512_castsi512_ps(u32), _mm512_castsi512_ps(u32), _CMP_UNORD_Q);
-        b = _mm512_mask_mov_epi32(b, nan, _mm512_or_si512(up, _mm512_set1_epi32(0x40)));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out.data) + at), _mm512_cvtepi32_epi16(b));
+        VStore(static_cast<uint16_t*>(out.data) + at, TailMask(16), _mm512_castsi512_ps(r[tok]));
       } else {
         _mm512_storeu_si512(static_cast<float*>(out.data) + at, r[tok]);
       }

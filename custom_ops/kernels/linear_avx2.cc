@@ -14,31 +14,20 @@
 // instead, with the scale applied per block sum: DotFp8Fused); FP4 E2M1 through an 8-entry magnitude
 // table times the block's scale (VPERMPS on the low 3 bits) and the sign bit, written as [8 even, 8 odd] columns
 // per 16, the layout the activations then follow.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+#include "custom_ops/kernels/isa_prelude.h"
 
 #include <algorithm>
-#include <cmath>
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
 #include <type_traits>
 
 #include "custom_ops/kernels/linear_blocks.h"
-#include "custom_ops/numerics/bf16.h"
 #include "custom_ops/numerics/fp4.h"
 #include "custom_ops/numerics/fp8.h"
 
 namespace dsv4 {
 namespace avx2 {
 namespace {
+
+#include "custom_ops/kernels/simd_avx2.inc"
 
 enum class RowKind { kBf16Direct, kF32Direct, kF32Decoded };
 
@@ -67,24 +56,6 @@ float Hsum(__m256 v) {
   b = _mm_add_ps(b, _mm_movehl_ps(b, b));
   b = _mm_add_ss(b, _mm_movehdup_ps(b));
   return _mm_cvtss_f32(b);
-}
-
-// Lane mask for the first n (0..8) lanes.
-__m256i LaneMask(int64_t n) {
-  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n < 0 ? 0 : n > 8 ? 8 : n)), idx);
-}
-
-// fp32 -> value rounded to bf16 (nearest-even, denormals kept, NaN quietened), as fp32.
-__m256 RoundBf16(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
-  __m256i r = _mm256_and_si256(_mm256_add_epi32(u, bias), _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
-  const __m256i quiet = _mm256_or_si256(_mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0xffff0000u))),
-                                        _mm256_set1_epi32(0x00400000));
-  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-  r = _mm256_blendv_epi8(r, quiet, _mm256_castps_si256(nan));
-  return _mm256_castsi256_ps(r);
 }
 
 // 16 E4M3 codes -> code * 2^-8 as fp32 (columns 0..7, 8..15); exact, NaN codes give NaN.
@@ -149,8 +120,8 @@ void DecodeFp8Row(const WeightView& w, int64_t row, int64_t scale_row, int64_t k
           c = _mm256_mul_ps(_mm256_mul_ps(c, two8), sv);
         }
         if constexpr (kRound) {
-          a = RoundBf16(a);
-          c = RoundBf16(c);
+          a = VRoundBf16(a);
+          c = VRoundBf16(c);
         }
         _mm256_storeu_ps(out + k, a);
         _mm256_storeu_ps(out + k + 8, c);
@@ -192,7 +163,7 @@ void DecodeF32Row(const WeightView& w, int64_t row, int64_t kp, float* out) {
   const float* src = static_cast<const float*>(w.data) + row * w.cols;
   for (int64_t k = 0; k < kp; k += 8) {
     const __m256 v = k < w.cols ? _mm256_maskload_ps(src + k, LaneMask(w.cols - k)) : _mm256_setzero_ps();
-    _mm256_storeu_ps(out + k, RoundBf16(v));
+    _mm256_storeu_ps(out + k, VRoundBf16(v));
   }
 }
 
@@ -734,8 +705,6 @@ void Panels(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t
 // activation type: the rows path is ahead up to 12 rows (1.1-1.3x), panels lead from 16 (FP4 1.15x, bf16 even) and
 // reach 1.2x (bf16) - 1.37x (FP4) at 48, 0.87 of the ymm FMA peak.
 constexpr int64_t kPanelMinRowsF32 = 16, kPanelMinRowsBf16 = 16;
-
-#include "custom_ops/kernels/simd_avx2.inc"
 
 #include "custom_ops/kernels/moe_act_simd.inc"
 

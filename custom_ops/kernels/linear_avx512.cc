@@ -29,24 +29,11 @@
 // denormal that bf16 cannot hold).
 // Horizontal sums, decoding and stores do not depend on how rows are grouped, so results are independent of the
 // task split.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+#include "custom_ops/kernels/isa_prelude.h"
 
 #include <algorithm>
-#include <cmath>
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
 
 #include "custom_ops/kernels/linear_blocks.h"
-#include "custom_ops/numerics/bf16.h"
 #include "custom_ops/numerics/fp4.h"
 
 namespace dsv4 {
@@ -76,9 +63,6 @@ int64_t Pad32(int64_t c) { return (c + 31) / 32 * 32; }
 
 __mmask32 Mask32(int64_t n) {
   return n >= 32 ? static_cast<__mmask32>(0xffffffffu) : static_cast<__mmask32>((1u << n) - 1u);
-}
-__mmask16 Mask16(int64_t n) {
-  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u);
 }
 
 __m512bh AsBh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
@@ -299,8 +283,8 @@ void DecodeRowsBf16(const WeightView& w, int64_t n0, int64_t rows, int64_t k0, i
           const int64_t k = k0 + c, valid = w.cols - k;
           _mm_prefetch(reinterpret_cast<const char*>(src + k) + kPrefetchBytes, _MM_HINT_T0);
           _mm_prefetch(reinterpret_cast<const char*>(src + k) + kPrefetchBytes + 64, _MM_HINT_T0);
-          const __m512 lo = _mm512_maskz_loadu_ps(Mask16(valid > 0 ? valid : 0), src + k);
-          const __m512 hi = _mm512_maskz_loadu_ps(Mask16(valid > 16 ? valid - 16 : 0), src + k + 16);
+          const __m512 lo = _mm512_maskz_loadu_ps(TailMask(valid > 0 ? valid : 0), src + k);
+          const __m512 hi = _mm512_maskz_loadu_ps(TailMask(valid > 16 ? valid - 16 : 0), src + k + 16);
           _mm512_storeu_si512(out + c, AsSi(_mm512_cvtne2ps_pbh(hi, lo)));
         }
         break;
@@ -424,7 +408,7 @@ void DotF32(const float* const* w, int64_t kw, const float* x, int64_t xs, float
   for (int i = 0; i < MR; ++i)
     for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_setzero_ps();
   for (int64_t k = 0; k < kw; k += 16) {
-    const __mmask16 mask = Mask16(kw - k);
+    const __mmask16 mask = TailMask(kw - k);
     __m512 a[4];
     for (int q = 0; q < 4; ++q) {
       _mm_prefetch(reinterpret_cast<const char*>(w[q] + k) + kPrefetchBytes, _MM_HINT_T0);
@@ -498,8 +482,8 @@ void PrepareRows(ActType act, const WeightView& w, const void* x, int64_t ldx, c
     }
     for (int64_t k = 0; k < kp; k += 32) {
       const int64_t valid = kw - k;
-      const __m512 a = _mm512_maskz_loadu_ps(Mask16(valid > 0 ? valid : 0), in + k);
-      const __m512 b = _mm512_maskz_loadu_ps(Mask16(valid > 16 ? valid - 16 : 0), in + k + 16);
+      const __m512 a = _mm512_maskz_loadu_ps(TailMask(valid > 0 ? valid : 0), in + k);
+      const __m512 b = _mm512_maskz_loadu_ps(TailMask(valid > 16 ? valid - 16 : 0), in + k + 16);
       __m512 even, odd;
       EvenOdd(a, b, &even, &odd);
       _mm512_storeu_ps(out + k, even);
@@ -853,30 +837,6 @@ void Rows(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n
 // ---------------------------------------------------------------------------------------------------------------
 // Tile activation layout (portable::PrepareTileBlocks is the specification).
 
-// Transposes a 16 x 16 matrix of 32-bit elements held in r (row i = r[i]) in place.
-void Transpose16(__m512i r[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int g = 0; g < 4; ++g) {
-    u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
-    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
-    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
-    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
-  }
-  for (int j = 0; j < 4; ++j) {
-    const __m512i x0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), x1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE);
-    const __m512i y0 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
-    const __m512i y1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
-    r[j] = _mm512_shuffle_i32x4(x0, y0, 0x88);
-    r[4 + j] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
-    r[8 + j] = _mm512_shuffle_i32x4(x1, y1, 0x88);
-    r[12 + j] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
-  }
-}
-
 // x (32 fp32 in lo, hi) = hi + mid + lo as three bf16 vectors (SplitBf16x3 semantics).
 void Split3(__m512 x0, __m512 x1, __m512i parts[3]) {
   const __m512 inf = _mm512_set1_ps(__builtin_inff());
@@ -921,8 +881,8 @@ void PrepareTileBlocks(ActType act, const void* x, int64_t ldx, const int64_t* i
           r[0][vl] = _mm512_maskz_loadu_epi16(Mask32(valid), static_cast<const uint16_t*>(row[vl]) + k);
         } else {
           const float* in = static_cast<const float*>(row[vl]) + k;
-          const __m512 lo = _mm512_maskz_loadu_ps(Mask16(valid), in);
-          const __m512 hi = _mm512_maskz_loadu_ps(Mask16(valid > 16 ? valid - 16 : 0), in + 16);
+          const __m512 lo = _mm512_maskz_loadu_ps(TailMask(valid), in);
+          const __m512 hi = _mm512_maskz_loadu_ps(TailMask(valid > 16 ? valid - 16 : 0), in + 16);
           __m512i p3[3];
           Split3(lo, hi, p3);
           if (l.folded) {
@@ -1028,8 +988,8 @@ void DecodePanelRows(const WeightView& w, int64_t n0, int64_t rows, int64_t k0, 
         const float* src = static_cast<const float*>(w.data) + row * w.cols;
         for (int64_t c = 0; c < kc; c += 32) {
           const int64_t k = k0 + c, valid = w.cols - k;
-          const __m512 lo = _mm512_maskz_loadu_ps(Mask16(valid > 0 ? valid : 0), src + k);
-          const __m512 hi = _mm512_maskz_loadu_ps(Mask16(valid > 16 ? valid - 16 : 0), src + k + 16);
+          const __m512 lo = _mm512_maskz_loadu_ps(TailMask(valid > 0 ? valid : 0), src + k);
+          const __m512 hi = _mm512_maskz_loadu_ps(TailMask(valid > 16 ? valid - 16 : 0), src + k + 16);
           __m512 even, odd;
           EvenOdd(lo, hi, &even, &odd);
           _mm512_storeu_ps(out + c, even);
@@ -1139,8 +1099,8 @@ void PreparePanels(ActType act, const void* x, int64_t ldx, const int64_t* index
           even[i] = odd[i] = _mm512_setzero_si512();
           continue;
         }
-        const __m512 lo = _mm512_maskz_loadu_ps(Mask16(valid), row[i] + k);
-        const __m512 hi = _mm512_maskz_loadu_ps(Mask16(valid > 16 ? valid - 16 : 0), row[i] + k + 16);
+        const __m512 lo = _mm512_maskz_loadu_ps(TailMask(valid), row[i] + k);
+        const __m512 hi = _mm512_maskz_loadu_ps(TailMask(valid > 16 ? valid - 16 : 0), row[i] + k + 16);
         __m512 e, o;
         EvenOdd(lo, hi, &e, &o);
         even[i] = _mm512_castps_si512(e);
@@ -1170,7 +1130,7 @@ void StorePanelOutputs(const float* acc, int64_t ldc, int64_t t0, int64_t t1, in
       __m512i v[16];
       for (int q = 0; q < 16; ++q) v[q] = _mm512_loadu_si512(acc + (r + q) * ldc + t);
       Transpose16(v);  // v[q] = token t + q, rows r .. r + 15
-      const __mmask16 mask = Mask16(rows - r);
+      const __mmask16 mask = TailMask(rows - r);
       for (int q = 0; q < 16 && t + q < t1; ++q) {
         const int64_t at = (t + q) * out.ld + col0 + r;
         if (out.bf16) {

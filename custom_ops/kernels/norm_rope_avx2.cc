@@ -1,13 +1,8 @@
 // AVX2 RmsNorm / NormRope / Rope (norm_rope.h) on 8-lane vectors; the algorithm is in norm_rope_simd.inc. Results
 // are within 2 fp32 ulps of norm_rope_ref.cc's (bf16: one bf16 ulp, rarely).
-#include <immintrin.h>
-
-#include <cmath>
-#include <cstdint>
-#include <cstring>
+#include "custom_ops/kernels/isa_prelude.h"
 
 #include "custom_ops/kernels/norm_rope.h"
-#include "custom_ops/numerics/bf16.h"
 #include "custom_ops/platform/thread_scratch.h"
 
 namespace dsv4 {

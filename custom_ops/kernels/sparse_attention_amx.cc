@@ -19,25 +19,14 @@
 //        stored into O [HGp][Dp].
 // Key counts are padded to 32 with zero rows (zero keys and zero probabilities contribute +0); padded heads have
 // zero queries and are never stored.
-#if !defined(DSV4_AMX_EMULATION) && defined(__GNUC__) && !defined(__clang__)
-// GCC 12 flags its own _mm512_undefined_* placeholders (PR 105593).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
-#endif
+#include "custom_ops/kernels/isa_prelude.h"
 
-#include <cmath>
-#include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <new>
 
 #include "custom_ops/kernels/sparse_attention.h"
 #include "custom_ops/kernels/sparse_attention_keys.h"
 #include "custom_ops/numerics/amx_tile.h"
-#include "custom_ops/numerics/bf16.h"
 #include "custom_ops/platform/thread_scratch.h"
 
 namespace dsv4 {

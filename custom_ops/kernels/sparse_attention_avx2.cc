@@ -1,17 +1,13 @@
 // AVX2 SparseAttention (sparse_attention.h): fp32 products on 8-lane vectors for fp32 and bf16 inputs (bf16 keys are
 // widened once per key block). The algorithm is in sparse_attention_simd.inc; this file supplies the vector layer.
 // Must match sparse_attention_ref.cc within fp32 rounding; the bf16 rounding points are the spec's. Needs AVX2 + FMA.
-#include <immintrin.h>
+#include "custom_ops/kernels/isa_prelude.h"
 
-#include <cmath>
-#include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <new>
 
 #include "custom_ops/kernels/sparse_attention.h"
 #include "custom_ops/kernels/sparse_attention_keys.h"
-#include "custom_ops/numerics/bf16.h"
 #include "custom_ops/platform/thread_scratch.h"
 
 namespace dsv4 {

@@ -3,25 +3,13 @@
 // FMAs, so widening wins). The algorithm is in sparse_attention_simd.inc; this file supplies the vector layer.
 // Must match sparse_attention_ref.cc within fp32 rounding (fp32 accumulation in a different order, exp within a few
 // ulp); the bf16 rounding points are the spec's. Needs AVX512F/BW/VL/DQ.
-#if defined(__GNUC__) && !defined(__clang__)  // GCC 12 flags its own _mm512_undefined_* placeholders (PR 105593)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+#include "custom_ops/kernels/isa_prelude.h"
 
-#include <cmath>
-#include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <new>
 
 #include "custom_ops/kernels/sparse_attention.h"
 #include "custom_ops/kernels/sparse_attention_keys.h"
-#include "custom_ops/numerics/bf16.h"
 #include "custom_ops/platform/thread_scratch.h"
 
 namespace dsv4 {
