@@ -26,15 +26,14 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define DSV4RL_X86 1
-#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
 #if defined(__linux__)
 #include <sys/mman.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
+
+#include "platform/cpu_features.h"
 
 #define DSV4RL_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -68,53 +67,19 @@ const char* const kKindNames[kNumKinds] = {"fp32_sse_muladd", "fp32_fma_ymm", "f
                                            "amx_bf16",        "int8_vnni_zmm", "amx_int8"};
 
 #if DSV4RL_X86
-uint64_t ReadXcr0() {
-  uint32_t eax = 0, edx = 0;
-  __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
-  return (static_cast<uint64_t>(edx) << 32) | eax;
-}
-
-bool AskAmxPermission() {
-#if defined(__linux__)
-  constexpr long kArchGetXcompPerm = 0x1022;
-  constexpr long kArchReqXcompPerm = 0x1023;
-  constexpr long kXtileData = 18;
-  if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXtileData) != 0) return false;
-  uint64_t bits = 0;
-  if (syscall(SYS_arch_prctl, kArchGetXcompPerm, &bits) != 0) return false;
-  return (bits >> kXtileData) & 1u;
-#else
-  return false;
-#endif
-}
-
+// The library's probe (platform/cpu_features.cc: CPUID, XCR0 and, on Linux, the AMX tile-data permission).
 uint32_t Probe() {
   uint32_t f = kFeatSse2;  // part of x86-64
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
-  const bool fma = (c >> 12) & 1, osxsave = (c >> 27) & 1, avx = (c >> 28) & 1;
-  if (!osxsave || !avx) return f;
-  const uint64_t xcr0 = ReadXcr0();
-  const bool os_ymm = (xcr0 & 0x6) == 0x6;
-  const bool os_zmm = os_ymm && (xcr0 & 0xE0) == 0xE0;
-  const bool os_tiles = (xcr0 & (3ull << 17)) == (3ull << 17);
-  unsigned max_leaf = __get_cpuid_max(0, nullptr);
-  if (max_leaf < 7) return f;
-  unsigned a7 = 0, b7 = 0, c7 = 0, d7 = 0, a71 = 0, b71 = 0, c71 = 0, d71 = 0;
-  __cpuid_count(7, 0, a7, b7, c7, d7);
-  __cpuid_count(7, 1, a71, b71, c71, d71);
-  const bool avx2 = (b7 >> 5) & 1, avx512f = (b7 >> 16) & 1, vnni = (c7 >> 11) & 1;
-  const bool amx_bf16 = (d7 >> 22) & 1, amx_tile = (d7 >> 24) & 1, amx_int8 = (d7 >> 25) & 1;
-  const bool avx512_bf16 = (a71 >> 5) & 1;
-  if (os_ymm && avx2 && fma) f |= kFeatAvx2Fma;
-  if (os_zmm && avx512f) {
+  const dsv4::CpuFeatures& c = dsv4::GetCpuFeatures();
+  if (c.os_avx && c.avx2 && c.fma) f |= kFeatAvx2Fma;
+  if (c.os_avx512 && c.avx512f) {
     f |= kFeatAvx512F;
-    if (avx512_bf16) f |= kFeatAvx512Bf16;
-    if (vnni) f |= kFeatAvx512Vnni;
+    if (c.avx512_bf16) f |= kFeatAvx512Bf16;
+    if (c.avx512_vnni) f |= kFeatAvx512Vnni;
   }
-  if (os_tiles && amx_tile && (amx_bf16 || amx_int8) && AskAmxPermission()) {
-    if (amx_bf16) f |= kFeatAmxBf16;
-    if (amx_int8) f |= kFeatAmxInt8;
+  if (c.os_amx && c.amx_tile && (c.amx_bf16 || c.amx_int8) && c.amx_permitted) {
+    if (c.amx_bf16) f |= kFeatAmxBf16;
+    if (c.amx_int8) f |= kFeatAmxInt8;
   }
   return f;
 }
