@@ -67,9 +67,9 @@ class CompressorKernel final : public Kernel {
       }
     }
 
-    void* entries = ctx.Output(0, past_entries.shape);
-    float* kv_state = ctx.OutputAs<float>(1, past_kv.shape);
-    float* score_state = ctx.OutputAs<float>(2, past_score.shape);
+    void* entries = ctx.Output(0, past_entries.numel);
+    float* kv_state = ctx.OutputAs<float>(1, past_kv.numel);
+    float* score_state = ctx.OutputAs<float>(2, past_score.numel);
     PreparePresent(past_entries, entries, "present_entries");
     PreparePresent(past_kv, kv_state, "present_kv_state");
     PreparePresent(past_score, score_state, "present_score_state");

@@ -1,6 +1,7 @@
 // ORT glue: turns each op of the generated table into OrtCustomOp instances (C API only), reads and validates
 // attributes against the table, checks ranks, infers output types/shapes from the table's shape rules, runs the
-// op's kernel class with an ORT-backed ComputeContext, and converts every C++ exception into an OrtStatus.
+// op's kernel class with an ORT-backed ComputeContext (which allocates outputs by the same rules), and converts
+// every C++ exception into an OrtStatus.
 #include "ops/custom_op.h"
 
 #include <cstdio>
@@ -34,6 +35,31 @@ OrtStatus* MakeStatus(OrtErrorCode code, const std::string& msg) { return Api().
 const TableOp& AsTableOp(const OrtCustomOp* op) { return *static_cast<const TableOp*>(op); }
 
 int ResolveType(const TableOp& op, int code) { return code > 0 ? code : op.type_assignment[-code - 1]; }
+
+// ---- Element types -----------------------------------------------------------------------------------------------
+
+const optable::ElementType* FindElementType(int code) {
+  for (const optable::ElementType& t : optable::kElementTypes)
+    if (t.code == code) return &t;
+  return nullptr;
+}
+
+constexpr bool SameName(const char* a, const char* b) {
+  for (; *a != '\0' && *a == *b; ++a, ++b) {
+  }
+  return *a == *b;
+}
+
+constexpr int TableCode(const char* name) {
+  for (const optable::ElementType& t : optable::kElementTypes)
+    if (SameName(t.name, name)) return t.code;
+  return 0;
+}
+
+static_assert(TableCode("float") == kFloat && TableCode("uint8") == kUint8 && TableCode("int8") == kInt8 &&
+                  TableCode("int32") == kInt32 && TableCode("int64") == kInt64 && TableCode("string") == kString &&
+                  TableCode("bfloat16") == kBFloat16 && TableCode("float8e4m3fn") == kFloat8E4M3FN,
+              "kernel_api.h's DType codes must be those of the op table's element_types");
 
 // ---- Attributes --------------------------------------------------------------------------------------------------
 
@@ -190,6 +216,36 @@ bool EvalShapeRule(const optable::OpSpec& spec, const char* rule, GetDims&& inpu
   return true;
 }
 
+// An output's shape by its rule for the concrete shapes of `inputs` and the node's attributes (defaults applied).
+std::vector<int64_t> RuleShape(const optable::OpSpec& spec, int index, const std::vector<InputView>& inputs,
+                               const Attributes& attrs) {
+  std::vector<std::vector<Dim>> dims(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i)
+    for (int64_t d : inputs[i].shape) dims[i].push_back({d, ""});
+  auto input_dims = [&](int i) -> const std::vector<Dim>* { return inputs[i].present ? &dims[i] : nullptr; };
+  auto attr_int = [&](const std::string& name, int64_t* v) {
+    for (int a = 0; a < spec.num_attrs; ++a) {
+      if (name == spec.attrs[a].name && spec.attrs[a].kind == optable::AttrKind::kInt) {
+        *v = attrs.Int(spec.attrs[a].name);
+        return true;
+      }
+    }
+    return false;
+  };
+  const optable::IoSpec& io = spec.outputs[index];
+  std::vector<Dim> out;
+  if (!EvalShapeRule(spec, io.shape, input_dims, attr_int, &out)) {
+    Fail("internal error: the shape rule of output '", io.name, "' (", io.shape ? io.shape : "none",
+         ") cannot be evaluated for these inputs");
+  }
+  std::vector<int64_t> shape;
+  for (const Dim& d : out) {
+    if (d.value < 0) Fail("internal error: negative output dimension for '", io.name, "'");
+    shape.push_back(d.value);
+  }
+  return shape;
+}
+
 // ---- OrtCustomOp callbacks ---------------------------------------------------------------------------------------
 
 const char* ORT_API_CALL GetName(const OrtCustomOp* op) { return AsTableOp(op).spec->name; }
@@ -302,7 +358,8 @@ int HardwareThreads() {
 
 class OrtComputeContext final : public ComputeContext {
  public:
-  OrtComputeContext(const TableOp& op, OrtKernelContext* ctx) : op_(op), ctx_(ctx) {
+  OrtComputeContext(const TableOp& op, const Attributes& attrs, OrtKernelContext* ctx)
+      : op_(op), attrs_(attrs), ctx_(ctx) {
     size_t n = 0;
     Check(Api().KernelContext_GetInputCount(ctx, &n));
     inputs_.resize(op.spec->num_inputs);
@@ -352,29 +409,38 @@ class OrtComputeContext final : public ComputeContext {
   int NumInputs() const override { return static_cast<int>(inputs_.size()); }
   const Parallel& Par() const override { return par_; }
 
-  void* Output(int index, const std::vector<int64_t>& shape) override {
-    OrtValue* value = nullptr;
-    for (int64_t d : shape) {
-      if (d < 0) Fail("internal error: negative output dimension for '", op_.spec->outputs[index].name, "'");
-    }
-    Check(Api().KernelContext_GetOutput(ctx_, index, shape.data(), shape.size(), &value));
-    const int64_t numel = ShapeProduct(shape, "the element count");
+  void* Output(int index, int64_t numel) override {
+    OrtValue* value = GetOutput(index, numel);
     if (numel == 0) return nullptr;
     void* data = nullptr;
     Check(Api().GetTensorMutableData(value, &data));
     return data;
   }
 
-  void OutputStrings(int index, const std::vector<int64_t>& shape, const std::vector<std::string>& values) override {
-    OrtValue* value = nullptr;
-    Check(Api().KernelContext_GetOutput(ctx_, index, shape.data(), shape.size(), &value));
+  void OutputStrings(int index, const std::vector<std::string>& values) override {
+    OrtValue* value = GetOutput(index, static_cast<int64_t>(values.size()));
     std::vector<const char*> ptrs;
     for (const std::string& s : values) ptrs.push_back(s.c_str());
     Check(Api().FillStringTensor(value, ptrs.data(), ptrs.size()));
   }
 
  private:
+  // Output `index` allocated with its rule's shape, which must hold the `numel` elements the kernel writes.
+  OrtValue* GetOutput(int index, int64_t numel) {
+    const std::vector<int64_t> shape = RuleShape(*op_.spec, index, inputs_, attrs_);
+    const int64_t rule_numel = ShapeProduct(shape, "the element count");
+    if (rule_numel != numel) {
+      Fail("internal error: output '", op_.spec->outputs[index].name, "' has shape ", ShapeString(shape),
+           " by the op table's rule (", op_.spec->outputs[index].shape, ") but the kernel writes ", numel,
+           " elements");
+    }
+    OrtValue* value = nullptr;
+    Check(Api().KernelContext_GetOutput(ctx_, index, shape.data(), shape.size(), &value));
+    return value;
+  }
+
   const TableOp& op_;
+  const Attributes& attrs_;
   OrtKernelContext* ctx_;
   std::vector<InputView> inputs_;
   Parallel par_;
@@ -384,7 +450,7 @@ OrtStatus* ORT_API_CALL KernelComputeV2(void* kernel, OrtKernelContext* context)
   auto* state = static_cast<KernelState*>(kernel);
   const optable::OpSpec& spec = *state->op->spec;
   try {
-    OrtComputeContext ctx(*state->op, context);
+    OrtComputeContext ctx(*state->op, state->attrs, context);
     state->kernel->Compute(ctx);
     return nullptr;
   } catch (const OpError& e) {
@@ -567,17 +633,13 @@ std::vector<std::unique_ptr<TableOp>> BuildTableOps(IsaLevel isa) {
 }
 
 const char* DTypeName(int dtype) {
-  switch (dtype) {
-    case kFloat: return "float";
-    case kUint8: return "uint8";
-    case kInt8: return "int8";
-    case kInt32: return "int32";
-    case kInt64: return "int64";
-    case kString: return "string";
-    case kBFloat16: return "bfloat16";
-    case kFloat8E4M3FN: return "float8e4m3fn";
-    default: return "other";
-  }
+  const optable::ElementType* t = FindElementType(dtype);
+  return t != nullptr ? t->name : "other";
+}
+
+size_t ElementBytes(int dtype) {
+  const optable::ElementType* t = FindElementType(dtype);
+  return t != nullptr ? static_cast<size_t>(t->bytes) : 0;
 }
 
 std::string ShapeString(const std::vector<int64_t>& shape) {

@@ -32,6 +32,9 @@ std::vector<int64_t> Append(std::vector<int64_t> v, std::initializer_list<int64_
   return v;
 }
 
+// Elements of n rows of `width` (what the kernels write per output; the glue checks it against the table's rule).
+int64_t Rows(int64_t n, int64_t width) { return CheckedMul(n, width, "the output element count"); }
+
 class HcPreKernel final : public Kernel {
  public:
   explicit HcPreKernel(const KernelInit& init)
@@ -48,11 +51,10 @@ class HcPreKernel final : public Kernel {
     ExpectShape(fn, {mixes, CheckedMul(hc, d, "fn columns hc * d")});
     ExpectShape(scale, {3});
     ExpectShape(base, {mixes});
-    const std::vector<int64_t> lead = Lead(x.shape, 2);
     const int64_t n = Product(x.shape, 0, x.rank() - 2);
-    void* h = ctx.Output(0, Append(lead, {d}));
-    float* post = ctx.OutputAs<float>(1, Append(lead, {hc}));
-    float* comb = ctx.OutputAs<float>(2, Append(lead, {hc, hc}));
+    void* h = ctx.Output(0, Rows(n, d));
+    float* post = ctx.OutputAs<float>(1, Rows(n, hc));
+    float* comb = ctx.OutputAs<float>(2, Rows(n, hc * hc));
     if (n == 0) return;
     if (x.dtype == kBFloat16) {
       k_.pre_bf16(x.as<uint16_t>(), fn.as<float>(), scale.as<float>(), base.as<float>(), n, hc, d, rms_eps_, hc_eps_,
@@ -82,7 +84,7 @@ class HcPostKernel final : public Kernel {
     ExpectShape(post, Append(lead, {hc}));
     ExpectShape(comb, Append(lead, {hc, hc}));
     const int64_t n = Product(r.shape, 0, r.rank() - 2);
-    void* out = ctx.Output(0, r.shape);
+    void* out = ctx.Output(0, r.numel);
     if (n == 0) return;
     if (r.dtype == kBFloat16) {
       k_.post_bf16(f.as<uint16_t>(), r.as<uint16_t>(), post.as<float>(), comb.as<float>(), n, hc, d,
@@ -112,7 +114,7 @@ class HcHeadKernel final : public Kernel {
     ExpectShape(scale, {1});
     ExpectShape(base, {hc});
     const int64_t n = Product(x.shape, 0, x.rank() - 2);
-    void* y = ctx.Output(0, Append(Lead(x.shape, 2), {d}));
+    void* y = ctx.Output(0, Rows(n, d));
     if (n == 0) return;
     if (x.dtype == kBFloat16) {
       k_.head_bf16(x.as<uint16_t>(), fn.as<float>(), scale.as<float>(), base.as<float>(), n, hc, d, rms_eps_, hc_eps_,

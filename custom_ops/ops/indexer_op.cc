@@ -43,7 +43,8 @@ class IndexerKernel final : public Kernel {
              ") but input 'keys' holds only ", d.capacity, " (capacity limit)");
       }
     }
-    int64_t* indices = ctx.OutputAs<int64_t>(0, {d.batch, d.seq, d.topk});
+    int64_t* indices = ctx.OutputAs<int64_t>(
+        0, CheckedMul(CheckedMul(d.batch, d.seq, "the query count"), d.topk, "the output element count"));
     if (d.batch == 0 || d.seq == 0) return;
     const F32Vector w(weights);
     if (fp8) {

@@ -1,11 +1,13 @@
 // The interface between the ORT glue (custom_op.cc) and each op's kernel class (ops/*_op.cc).
 //
 // An op class validates what the generic glue cannot (dimension agreement between inputs, index ranges), allocates
-// its outputs and calls the ORT-free kernels through the dispatch tables. It throws OpError with a message naming
+// its outputs (shaped by the op table's rules, evaluated by the glue) and calls the ORT-free kernels through the
+// dispatch tables. It throws OpError with a message naming
 // the input and the limit; the glue prefixes the op name and turns it into an OrtStatus. No exception ever
 // crosses the C ABI.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <stdexcept>
@@ -19,11 +21,13 @@
 
 namespace dsv4::glue {
 
-// ONNX element types used by the ops.
+// ONNX element types used by the ops (codes of the op table's "element_types"; custom_op.cc checks them).
 enum DType : int {
   kFloat = 1, kUint8 = 2, kInt8 = 3, kInt32 = 6, kInt64 = 7, kString = 8, kBFloat16 = 16, kFloat8E4M3FN = 17,
 };
+// Name and size of an element type, from the op table ("other" / 0 for a code it does not list).
 const char* DTypeName(int dtype);
+size_t ElementBytes(int dtype);
 
 class OpError : public std::runtime_error {
  public:
@@ -72,14 +76,16 @@ class ComputeContext {
   virtual ~ComputeContext() = default;
   virtual const InputView& Input(int index) const = 0;
   virtual int NumInputs() const = 0;
-  // Allocates output `index` with `shape` and returns its buffer (nullptr when it has no elements).
-  virtual void* Output(int index, const std::vector<int64_t>& shape) = 0;
-  // Writes a string output (LibraryInfo only).
-  virtual void OutputStrings(int index, const std::vector<int64_t>& shape, const std::vector<std::string>& values) = 0;
+  // Allocates output `index` with the shape of its rule in the op table (op_table.json "shape", evaluated for the
+  // actual input shapes and attributes) and returns its buffer (nullptr when it has no elements). `numel` is the
+  // element count the kernel writes: a rule that gives another count is an internal error (never an overrun).
+  virtual void* Output(int index, int64_t numel) = 0;
+  // Writes a string output (LibraryInfo only), shaped by its rule; `values` must fill it.
+  virtual void OutputStrings(int index, const std::vector<std::string>& values) = 0;
   virtual const Parallel& Par() const = 0;
 
   template <class T>
-  T* OutputAs(int index, const std::vector<int64_t>& shape) { return static_cast<T*>(Output(index, shape)); }
+  T* OutputAs(int index, int64_t numel) { return static_cast<T*>(Output(index, numel)); }
 };
 
 // Read-only access, at kernel creation, to inputs that are constant initializers (weights). Lets a kernel check

@@ -51,7 +51,7 @@ class LibraryInfoKernel final : public Kernel {
       js << (i ? ", " : "") << '"' << families[i].family << "\": \"" << IsaName(families[i].level) << '"';
     }
     js << "}}";
-    ctx.OutputStrings(0, {1}, {js.str()});
+    ctx.OutputStrings(0, {js.str()});
   }
 
  private:

@@ -35,7 +35,8 @@ class LinearKernelBase : public Kernel {
   }
 
  protected:
-  // Validates x against the weight and groups, allocates y [..., N] and runs the slot for x's type.
+  // Validates x against the weight and groups, allocates y ([..., N] by the table's rule) and runs the slot for x's
+  // type.
   void Run(ComputeContext& ctx, const WeightView& w, LinearF32Fn f32, LinearBf16Fn bf16) const {
     const InputView& x = ctx.Input(0);
     const int64_t k = x.dim(-1);
@@ -45,10 +46,8 @@ class LinearKernelBase : public Kernel {
            groups_, ", so K must be ", want_k);
     }
     if (w.rows % groups_ != 0) Fail("weight has N=", w.rows, " rows, not a multiple of groups=", groups_);
-    std::vector<int64_t> out_shape(x.shape.begin(), x.shape.end() - 1);
-    const int64_t m = ShapeProduct(out_shape, "the number of rows of x");
-    out_shape.push_back(w.rows);
-    void* y = ctx.Output(0, out_shape);
+    const int64_t m = ShapeProduct(x.shape, 0, x.shape.size() - 1, "the number of rows of x");
+    void* y = ctx.Output(0, CheckedMul(m, w.rows, "the output element count"));
     if (m == 0 || w.rows == 0) return;
     if (w.cols == 0) {  // K = 0: every output is an empty sum (the kernels are not asked to tile zero columns)
       const size_t n = static_cast<size_t>(m) * static_cast<size_t>(w.rows);

@@ -123,7 +123,7 @@ class MoeExpertsKernelBase : public Kernel {
            MoeExpertsBf16Fn bf16) const {
     const InputView &x = ctx.Input(kX), &weights = ctx.Input(kWeights), &indices = ctx.Input(kIndices);
     const int64_t tokens = x.dim(0);
-    void* y = ctx.Output(0, x.shape);
+    void* y = ctx.Output(0, x.numel);
     if (tokens == 0 || x.dim(1) == 0) return;
     const float* wt = r.dense ? nullptr : weights.as<float>();
     const int64_t* idx = r.dense ? nullptr : indices.as<int64_t>();

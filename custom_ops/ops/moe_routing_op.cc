@@ -32,8 +32,8 @@ class MoeRouteTopKKernel final : public Kernel {
     if (bias.present && bias.dim(0) != experts) {
       Fail("bias has ", bias.dim(0), " entries but logits have ", experts, " experts");
     }
-    float* weights = ctx.OutputAs<float>(0, {tokens, top_k_});
-    int64_t* indices = ctx.OutputAs<int64_t>(1, {tokens, top_k_});
+    float* weights = ctx.OutputAs<float>(0, tokens * top_k_);  // top_k <= experts: no overflow
+    int64_t* indices = ctx.OutputAs<int64_t>(1, tokens * top_k_);
     if (tokens == 0) return;
     kernels_.topk_route(logits.as<float>(), bias.present ? bias.as<float>() : nullptr, tokens, experts, top_k_,
                         scoring_, norm_, scale_, weights, indices, ctx.Par());
@@ -64,8 +64,8 @@ class MoeRouteHashKernel final : public Kernel {
     if (experts < 1) Fail("logits must have at least one expert column, got shape ", ShapeString(logits.shape));
     if (ids.dim(0) != tokens) Fail("input_ids has ", ids.dim(0), " tokens but logits have ", tokens);
     if (k > experts) Fail("tid2eid has ", k, " experts per token but logits have only ", experts, " experts");
-    float* weights = ctx.OutputAs<float>(0, {tokens, k});
-    int64_t* indices = ctx.OutputAs<int64_t>(1, {tokens, k});
+    float* weights = ctx.OutputAs<float>(0, tokens * k);  // k <= experts: no overflow
+    int64_t* indices = ctx.OutputAs<int64_t>(1, tokens * k);
     if (tokens == 0 || k == 0) return;
     // indices = tid2eid[input_ids], every index checked before the kernel reads it.
     const int64_t* id = ids.as<int64_t>();

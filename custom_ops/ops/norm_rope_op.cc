@@ -37,7 +37,7 @@ class RmsNormKernel final : public Kernel {
     const InputView &x = ctx.Input(0), &weight = ctx.Input(1);
     const int64_t n = x.dim(-1), rows = Product(x.shape, 0, x.rank() - 1);
     CheckWeight(weight, n);
-    void* y = ctx.Output(0, x.shape);
+    void* y = ctx.Output(0, x.numel);
     if (x.numel == 0) return;
     const F32Vector w(weight);
     if (x.dtype == kBFloat16) {
@@ -60,7 +60,7 @@ class NormRopeKernel final : public Kernel {
     const InputView &x = ctx.Input(0), &weight = ctx.Input(1), &start_pos = ctx.Input(2), &inv_freq = ctx.Input(3);
     const RopeDims d = TokenDims(x, start_pos, inv_freq);
     CheckWeight(weight, d.dim);
-    void* y = ctx.Output(0, x.shape);
+    void* y = ctx.Output(0, x.numel);
     if (x.numel == 0) return;
     const F32Vector w(weight);
     const int64_t* sp = start_pos.as<int64_t>();
@@ -85,7 +85,7 @@ class RopeKernel final : public Kernel {
   void Compute(ComputeContext& ctx) override {
     const InputView &x = ctx.Input(0), &start_pos = ctx.Input(1), &inv_freq = ctx.Input(2);
     const RopeDims d = TokenDims(x, start_pos, inv_freq);
-    void* y = ctx.Output(0, x.shape);
+    void* y = ctx.Output(0, x.numel);
     if (x.numel == 0) return;
     const int64_t* sp = start_pos.as<int64_t>();
     if (x.dtype == kBFloat16) {

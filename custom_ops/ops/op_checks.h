@@ -87,10 +87,6 @@ class F32Vector {
   const float* data_ = nullptr;
 };
 
-inline size_t ElementBytes(int dtype) {
-  return dtype == kBFloat16 ? 2 : dtype == kInt64 ? 8 : (dtype == kUint8 || dtype == kFloat8E4M3FN) ? 1 : 4;
-}
-
 // Makes `present` (an output of the same shape and type as `past`) hold past's contents. When the runtime bound one
 // buffer to both (IOBinding with the same OrtValue) there is nothing to do and the call returns true: the kernel
 // then updates the state in place. A present buffer that overlaps past without being the same buffer is an error.

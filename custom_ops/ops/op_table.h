@@ -10,6 +10,13 @@ namespace dsv4::optable {
 
 enum class AttrKind { kInt, kFloat, kString };
 
+// One ONNX element type of the table's "element_types".
+struct ElementType {
+  const char* name;  // ONNX spelling ("float", "bfloat16", ...)
+  int code;          // TensorProto.DataType (= ONNXTensorElementDataType)
+  int bytes;         // per element; 0 = variable (string)
+};
+
 struct TypeVar {
   const char* name;
   const int* types;

@@ -91,8 +91,8 @@ class SparseAttentionKernel final : public Kernel {
     const float scale = softmax_scale_ != 0.0f ? softmax_scale_
                                                : static_cast<float>(std::pow(static_cast<double>(d.dim), -0.5));
 
-    void* o = ctx.Output(0, q.shape);
-    void* present = ctx.Output(1, window.shape);
+    void* o = ctx.Output(0, q.numel);
+    void* present = ctx.Output(1, window.numel);
     if (q.numel > 0 && fp8) {
       const int64_t* idx = use_indices && d.topk > 0 ? indices.as<int64_t>() : nullptr;
       state_fp8::Attend(k_, q.dtype == kBFloat16, q.data, kv.data, window.as<uint8_t>(),

@@ -1,7 +1,8 @@
 """Generates the C++ view (op_table_gen.h) of src/dsv4_ort/export/op_table.json, the op-contract table.
 
 The library registers exactly the ops listed there, with the inputs, outputs, types, attributes and shape rules
-given there; tests check the built library against the same file.
+given there; tests check the built library against the same file. Element types come from the table's
+"element_types" (the one type table, read in Python through dsv4_ort.export.schema.ELEMENT_TYPES).
 
 usage: gen_op_table.py op_table.json out.h
 """
@@ -9,11 +10,6 @@ usage: gen_op_table.py op_table.json out.h
 import json
 import sys
 
-# ONNX TensorProto.DataType codes (identical to ONNXTensorElementDataType).
-ONNX_TYPES = {
-    "float": 1, "uint8": 2, "int8": 3, "uint16": 4, "int16": 5, "int32": 6, "int64": 7, "string": 8, "bool": 9,
-    "float16": 10, "double": 11, "uint32": 12, "uint64": 13, "bfloat16": 16, "float8e4m3fn": 17,
-}
 ATTR_KINDS = {"int": "kInt", "float": "kFloat", "string": "kString"}
 
 
@@ -21,9 +17,9 @@ def cstr(s):
     return json.dumps(s) if s is not None else "nullptr"
 
 
-def io_entry(io, tvars):
+def io_entry(io, tvars, codes):
     t = io["type"]
-    code = -(list(tvars).index(t) + 1) if t in tvars else ONNX_TYPES[t]
+    code = -(list(tvars).index(t) + 1) if t in tvars else codes[t]
     shape = ";".join(str(tok) for tok in io.get("shape", [])) if "shape" in io else None
     return "{%s, %d, %s, %d, %d, %s}" % (
         cstr(io["name"]), code, "true" if io.get("optional") else "false", io.get("rank", -1),
@@ -54,17 +50,23 @@ def main(src, dst):
         "inline constexpr int kTableVersion = %d;" % table["table_version"],
         "inline constexpr int kOrtApiVersion = %d;" % table["ort_api_version"], "",
     ]
+    elem_types = sorted(table["element_types"].items(), key=lambda kv: kv[1]["code"])
+    codes = {name: t["code"] for name, t in elem_types}
+    out.append("inline constexpr ElementType kElementTypes[] = {%s};" % ", ".join(
+        "{%s, %d, %d}" % (cstr(name), t["code"], t["bytes"]) for name, t in elem_types))
+    out.append("inline constexpr int kNumElementTypes = %d;" % len(elem_types))
+    out.append("")
     op_entries = []
     for op in table["ops"]:
         n = op["name"]
         tvars = op.get("type_constraints", {})
         for tv, types in tvars.items():
-            out.append("inline constexpr int k%s_tv_%s[] = {%s};" % (n, tv, ", ".join(str(ONNX_TYPES[t]) for t in types)))
+            out.append("inline constexpr int k%s_tv_%s[] = {%s};" % (n, tv, ", ".join(str(codes[t]) for t in types)))
         if tvars:
             out.append("inline constexpr TypeVar k%s_tvars[] = {%s};" % (
                 n, ", ".join("{%s, k%s_tv_%s, %d}" % (cstr(tv), n, tv, len(ts)) for tv, ts in tvars.items())))
-        out.append("inline constexpr IoSpec k%s_inputs[] = {%s};" % (n, ", ".join(io_entry(i, tvars) for i in op["inputs"])))
-        out.append("inline constexpr IoSpec k%s_outputs[] = {%s};" % (n, ", ".join(io_entry(o, tvars) for o in op["outputs"])))
+        out.append("inline constexpr IoSpec k%s_inputs[] = {%s};" % (n, ", ".join(io_entry(i, tvars, codes) for i in op["inputs"])))
+        out.append("inline constexpr IoSpec k%s_outputs[] = {%s};" % (n, ", ".join(io_entry(o, tvars, codes) for o in op["outputs"])))
         if op.get("attributes"):
             out.append("inline constexpr AttrSpec k%s_attrs[] = {%s};" % (n, ", ".join(attr_entry(a) for a in op["attributes"])))
         op_entries.append("  {%s, %d, k%s_inputs, %d, k%s_outputs, %d, %s, %d, %s, %d}," % (

@@ -43,11 +43,11 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 CORPUS_DIR = HERE / "corpus"
 
-# Element storage of the ONNX types the ops use (bfloat16 as uint16 bits, float8e4m3fn as uint8 codes).
-STORAGE = {"float": np.float32, "bfloat16": np.uint16, "float8e4m3fn": np.uint8, "uint8": np.uint8,
-           "int8": np.int8, "int32": np.int32, "int64": np.int64, "float16": np.float16, "double": np.float64}
-ONNX_CODE = {"float": 1, "uint8": 2, "int8": 3, "int32": 6, "int64": 7, "string": 8, "float16": 10, "double": 11,
-             "bfloat16": 16, "float8e4m3fn": 17}
+# Element storage and codes of the ONNX types, from the op table (bfloat16 as uint16 bits, float8e4m3fn as uint8).
+_ELEMENT_TYPES = json.loads((Path(__file__).resolve().parents[2] / "src/dsv4_ort/export/op_table.json")
+                            .read_text())["element_types"]
+STORAGE = {name: np.dtype(t["numpy"]) for name, t in _ELEMENT_TYPES.items() if name != "string"}
+ONNX_CODE = {name: t["code"] for name, t in _ELEMENT_TYPES.items()}
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 HUGE_DIMS = (2 ** 31, 2 ** 32 + 1, 2 ** 40, 2 ** 48, 2 ** 62, INT64_MAX)

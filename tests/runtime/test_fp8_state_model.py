@@ -47,7 +47,7 @@ def test_fp8_state_layout(tiny_fp8):
         by_name.setdefault(t["name"], set()).add((t["dtype"], t["shape"][-1]))
     assert by_name["window"] == {("uint8", row)} and by_name["entries"] == {("uint8", row)}
     assert by_name["index_keys"] == {("uint8", cI + 4)}
-    assert {dt for dt, _ in by_name["kv_state"] | by_name["score_state"] | by_name["index_kv_state"]} == {"float32"}
+    assert {dt for dt, _ in by_name["kv_state"] | by_name["score_state"] | by_name["index_kv_state"]} == {"float"}
     st = sess.new_state(2)
     assert all(buf.dtype == np.uint8 for name, buf in ((i, b) for i, _, b, _ in st.tensors)
                if name.endswith((".window", ".entries", ".index_keys")))

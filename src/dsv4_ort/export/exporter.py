@@ -20,7 +20,7 @@ from . import schema
 from .files import DATA_FILE, FORMAT_VERSION, META_FILE, MODEL_FILE, export_trailer
 from .graph import (ACT, BATCH, SEQ, STATE_FORMATS, DecoderGraph, GraphBuildError, Weight, input_accepts, layer_kind,
                     make_model)
-from .weights import (ONNX_DTYPE_NAMES, WEIGHT_MODES, ExternalDataWriter, WeightFormatError, convert,
+from .weights import (WEIGHT_MODES, ExternalDataWriter, WeightFormatError, convert,
                       external_initializer, release_pages, stacked_name, tensor_role)
 
 LOGITS_MODES = ("last", "all")
@@ -468,7 +468,8 @@ def _category(name: str) -> str:
 
 
 def _type_name(elem: int) -> str:
-    return ONNX_DTYPE_NAMES.get(elem, str(elem))
+    """The op table's (ONNX) spelling of an element type, as dsv4_ort.json records it."""
+    return schema.element_type(elem).name
 
 
 def _metadata(config, dg: DecoderGraph, g, origin, mode, formats, max_seq_len, max_batch, logits, tok_files) -> dict:

@@ -15,7 +15,7 @@ import os
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
 META_FILE = "dsv4_ort.json"
-FORMAT_VERSION = 2  # 2: the export id (JSON, graph metadata, data trailer)
+FORMAT_VERSION = 3  # 2: the export id (JSON, graph metadata, data trailer); 3: element types spelled as ONNX does ("float")
 
 _TRAILER_MAGIC = b"DSV4ORT-EXPORT-ID:"
 TRAILER_SIZE = len(_TRAILER_MAGIC) + 32 + 1

@@ -28,7 +28,9 @@ RMSNorm                     ``RmsNorm`` (attn_norm, ffn_norm, q_norm, final norm
 Standard ops only move data (Gather, Cast, Reshape, Shape, Unsqueeze, Expand, Slice) or add float32 tensors.
 
 Every value is typed: the builder records element type and (symbolic) shape of everything it creates and emits
-them as ``value_info``, because the ONNX schemas of our domain carry no shape-inference functions. Symbolic dims:
+them as ``value_info``, because the ONNX schemas of our domain carry no shape-inference functions. Outputs of our
+ops are typed and shaped by the op table's rules (:func:`schema.infer_output_types` / :func:`schema.infer_output_shapes`
+on the inputs' symbolic shapes), the same rules the library evaluates. Symbolic dims:
 ``batch``, ``seq`` (new tokens per row), ``tokens`` (= batch * seq, the flattened MoE rows).
 """
 
@@ -37,11 +39,11 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from . import schema
 
-FLOAT, BF16, I64, U8 = TensorProto.FLOAT, TensorProto.BFLOAT16, TensorProto.INT64, TensorProto.UINT8
+FLOAT, BF16, I64, U8 = (schema.ONNX_TYPES[t] for t in ("float", "bfloat16", "int64", "uint8"))
 STATE_FORMATS = ("default", "fp8")
 ACT = FLOAT  # activation and state dtype of the exported graph
 OPSET = 21
@@ -136,8 +138,9 @@ class GraphBuilder:
 
     def custom(self, op: str, inputs: dict, outputs: dict, name: str, **attrs) -> list:
         """A node of our domain. ``inputs`` maps the table's input names to values (None / absent = omitted
-        optional input); ``outputs`` maps the table's output names to ``(value name, elem, shape)``. Inputs and
-        outputs are ordered by the op table, so the call does not depend on positions."""
+        optional input); ``outputs`` maps the table's output names to value names, typed and shaped by the op
+        table's rules from the inputs' types and (symbolic) shapes. Inputs and outputs are ordered by the op
+        table, so the call does not depend on positions."""
         spec = _spec(op)
         known = [i.name for i in spec.inputs]
         for k in inputs:
@@ -155,11 +158,17 @@ class GraphBuilder:
         if sorted(outputs) != sorted(out_known):
             raise GraphBuildError(f"{op}: outputs {sorted(outputs)} given, the op table has {out_known}")
         outs = [outputs[o] for o in out_known]
-        for n, e, s in outs:
-            self._define(n, e, s)
         attrs = {k: v for k, v in attrs.items() if v is not None}
-        self.nodes.append(schema.make_node(op, ordered, [o[0] for o in outs], name=self._node_name(name), **attrs))
-        return [o[0] for o in outs]
+        present = [inputs.get(i.name) or None for i in spec.inputs]
+        try:
+            elems = schema.infer_output_types(op, [self.elem(v) if v else None for v in present])
+            shapes = schema.infer_output_shapes(op, [self.shape(v) if v else None for v in present], attrs)
+        except (KeyError, ValueError) as e:
+            raise GraphBuildError(f"{op} node {name!r}: cannot type its outputs: {e}") from None
+        for n, e, s in zip(outs, elems, shapes):
+            self._define(n, e, s)
+        self.nodes.append(schema.make_node(op, ordered, outs, name=self._node_name(name), **attrs))
+        return outs
 
     def value_infos(self) -> list:
         """value_info for every value that is neither a graph input, output nor initializer."""
@@ -297,8 +306,7 @@ class DecoderGraph:
     def linear(self, x: str, weight: str, out: str, *, groups: int = 1) -> str:
         """``x @ W.T`` (W dense, FP8 or FP4) -> float32 ``[..., out_features]``."""
         w = self._w(weight)
-        shape = self.g.shape(x)[:-1] + [w.dims[0]]
-        outputs = {"y": (out, ACT, shape)}
+        outputs = {"y": out}
         grp = groups if groups != 1 else None
         if w.fmt == "fp8":
             if w.block[0] != w.block[1]:
@@ -312,8 +320,7 @@ class DecoderGraph:
 
     def rms_norm(self, x: str, weight: str | None, out: str) -> str:
         ins = {"x": x, "weight": self._w(weight).name if weight else None}
-        return self.g.custom("RmsNorm", ins, {"y": (out, ACT, self.g.shape(x))}, out,
-                             eps=float(self.c.rms_norm_eps))[0]
+        return self.g.custom("RmsNorm", ins, {"y": out}, out, eps=float(self.c.rms_norm_eps))[0]
 
     def experts(self, x: str, weights: str | None, indices: str | None, prefix: str, out: str) -> str:
         """Routed experts (weights/indices given, stacked ``[E, ...]``) or the shared expert (dense mode)."""
@@ -336,7 +343,7 @@ class DecoderGraph:
                 raise GraphBuildError(f"{prefix}: FP8 blocks {sorted(blocks)} must be square and equal")
             if "block_size" in {a.name for a in _spec(op).attributes}:
                 attrs["block_size"] = int(ws[0].block[0])
-        return self.g.custom(op, ins, {"y": (out, ACT, self.g.shape(x))}, out, **attrs)[0]
+        return self.g.custom(op, ins, {"y": out}, out, **attrs)[0]
 
     # ------------------------------------------------------------------------------------------- graph
 
@@ -369,15 +376,12 @@ class DecoderGraph:
                 g.const("rope.inv_freq", _rope_table(c, False))
             x = self.block(layer, ratio, x, start_pos, inv, states[layer])
 
-        seq_out = SEQ
         if self.logits_mode == "last":
-            seq_out = 1
             x = g.node("Slice", [x, self._i64("const.last.start", [-1]),
                                  self._i64("const.last.end", [np.iinfo(np.int64).max]), self._i64("const.axis1", [1])],
                        [("streams.last", ACT, [BATCH, 1, hc, d])], "logits.last_position")[0]
         fn, sc, base = (self._w(n).name for n in ("hc_head_fn", "hc_head_scale", "hc_head_base"))
-        y = g.custom("HcHead", {"x": x, "fn": fn, "scale": sc, "base": base},
-                     {"y": ("hc_head.out", ACT, [BATCH, seq_out, d])}, "hc_head",
+        y = g.custom("HcHead", {"x": x, "fn": fn, "scale": sc, "base": base}, {"y": "hc_head.out"}, "hc_head",
                      rms_eps=float(c.rms_norm_eps), hc_eps=float(c.hc_eps))[0]
         y = self.rms_norm(y, "norm.weight", "norm")
         logits = self.linear(y, "head.weight", "logits")
@@ -389,20 +393,18 @@ class DecoderGraph:
     def block(self, layer: int, ratio: int, x: str, start_pos: str, inv: str, st: dict) -> str:
         c, g = self.c, self.g
         p = f"layers.{layer}"
-        d, hc = c.hidden_size, c.hc_mult
         hc_kw = dict(rms_eps=float(c.rms_norm_eps), hc_eps=float(c.hc_eps), sinkhorn_iters=int(c.hc_sinkhorn_iters))
 
         def hc_pre(x, which):
             ins = {"x": x, "fn": self._w(f"{p}.hc_{which}_fn").name, "scale": self._w(f"{p}.hc_{which}_scale").name,
                    "base": self._w(f"{p}.hc_{which}_base").name}
             q = f"{p}.hc_{which}"
-            return g.custom("HcPre", ins, {"h": (f"{q}.h", ACT, [BATCH, SEQ, d]),
-                                           "post": (f"{q}.post", FLOAT, [BATCH, SEQ, hc]),
-                                           "comb": (f"{q}.comb", FLOAT, [BATCH, SEQ, hc, hc])}, f"{q}_pre", **hc_kw)
+            return g.custom("HcPre", ins, {"h": f"{q}.h", "post": f"{q}.post", "comb": f"{q}.comb"}, f"{q}_pre",
+                            **hc_kw)
 
         def hc_post(f, residual, post, comb, which):
             return g.custom("HcPost", {"f": f, "residual": residual, "post": post, "comb": comb},
-                            {"out": (f"{p}.hc_{which}.out", ACT, [BATCH, SEQ, hc, d])}, f"{p}.hc_{which}_post")[0]
+                            {"out": f"{p}.hc_{which}.out"}, f"{p}.hc_{which}_post")[0]
 
         h, post, comb = hc_pre(x, "attn")
         a = self.attention(layer, ratio, self.rms_norm(h, f"{p}.attn_norm.weight", f"{p}.attn_norm"),
@@ -422,9 +424,8 @@ class DecoderGraph:
                "norm_weight": self._w(f"{prefix}.norm.weight").name, "inv_freq": inv, "start_pos": start_pos,
                "past_entries": entries.input_name, "past_kv_state": kv_state.input_name,
                "past_score_state": score_state.input_name}
-        outs = {"present_entries": (entries.output_name, entries.elem, list(entries.shape)),
-                "present_kv_state": (kv_state.output_name, kv_state.elem, list(kv_state.shape)),
-                "present_score_state": (score_state.output_name, score_state.elem, list(score_state.shape))}
+        outs = {"present_entries": entries.output_name, "present_kv_state": kv_state.output_name,
+                "present_score_state": score_state.output_name}
         attrs = {"fp8_layout": layout} if entries.elem == U8 else {}
         return self.g.custom("Compressor", ins, outs, prefix, rms_eps=float(self.c.rms_norm_eps), **attrs)[0]
 
@@ -438,11 +439,11 @@ class DecoderGraph:
         q = g.node("Reshape", [q, self._i64("const.heads", [0, 0, H, D])], [(f"{p}.q_heads", ACT, [BATCH, SEQ, H, D])],
                    f"{p}.q_heads")[0]
         q = g.custom("NormRope", {"x": q, "start_pos": start_pos, "inv_freq": inv},
-                     {"y": (f"{p}.q", ACT, [BATCH, SEQ, H, D])}, f"{p}.q_norm_rope", eps=eps)[0]
+                     {"y": f"{p}.q"}, f"{p}.q_norm_rope", eps=eps)[0]
         kv = self.linear(x, f"{p}.wkv.weight", f"{p}.wkv")
         kv = g.custom("NormRope", {"x": kv, "weight": self._w(f"{p}.kv_norm.weight").name, "start_pos": start_pos,
                                    "inv_freq": inv},
-                      {"y": (f"{p}.kv", ACT, [BATCH, SEQ, D])}, f"{p}.kv_norm_rope", eps=eps)[0]
+                      {"y": f"{p}.kv"}, f"{p}.kv_norm_rope", eps=eps)[0]
         entries = indices = None
         if ratio > 0:
             entries = self.compressor(x, f"{p}.compressor", start_pos, inv, st["entries"], st["kv_state"],
@@ -455,17 +456,16 @@ class DecoderGraph:
             iq = g.node("Reshape", [iq, self._i64("const.index_heads", [0, 0, nI, cI])],
                         [(f"{p}.indexer.q_heads", ACT, [BATCH, SEQ, nI, cI])], f"{p}.indexer.q_heads")[0]
             iq = g.custom("Rope", {"x": iq, "start_pos": start_pos, "inv_freq": inv},
-                          {"y": (f"{p}.indexer.q", ACT, [BATCH, SEQ, nI, cI])}, f"{p}.indexer.q_rope")[0]
+                          {"y": f"{p}.indexer.q"}, f"{p}.indexer.q_rope")[0]
             iw = self.linear(x, f"{p}.indexer.weights_proj.weight", f"{p}.indexer.weights_proj")
             indices = g.custom("Indexer", {"q": iq, "weights": iw, "keys": keys, "start_pos": start_pos},
-                               {"indices": (f"{p}.indexer.indices", I64, [BATCH, SEQ, c.index_topk])},
+                               {"indices": f"{p}.indexer.indices"},
                                f"{p}.indexer", ratio=4, index_topk=int(c.index_topk))[0]
         win = st["window"]
         o, _ = g.custom("SparseAttention",
                         {"q": q, "kv": kv, "past_window": win.input_name, "entries": entries, "indices": indices,
                          "sink": self._w(f"{p}.attn_sink").name, "inv_freq": inv, "start_pos": start_pos},
-                        {"o": (f"{p}.o", ACT, [BATCH, SEQ, H, D]),
-                         "present_window": (win.output_name, win.elem, list(win.shape))},
+                        {"o": f"{p}.o", "present_window": win.output_name},
                         f"{p}.sparse_attention", ratio=int(ratio), softmax_scale=float(D ** -0.5))
         o = g.node("Reshape", [o, self._i64("const.merge_heads", [0, 0, H * D])],
                    [(f"{p}.o_flat", ACT, [BATCH, SEQ, H * D])], f"{p}.o_flat")[0]
@@ -481,8 +481,7 @@ class DecoderGraph:
         k = c.num_experts_per_tok
         rk = dict(scoring=c.scoring_func, norm_topk_prob=int(bool(c.norm_topk_prob)),
                   routed_scaling_factor=float(c.routed_scaling_factor))
-        outs = {"weights": (f"{p}.route.weights", FLOAT, [TOKENS, k]),
-                "indices": (f"{p}.route.indices", I64, [TOKENS, k])}
+        outs = {"weights": f"{p}.route.weights", "indices": f"{p}.route.indices"}
         if c.is_hash_layer(layer):
             w, idx = g.custom("MoeRouteHash", {"logits": logits, "input_ids": self.ids_flat,
                                                "tid2eid": self._w(f"{p}.gate.tid2eid").name}, outs, f"{p}.route", **rk)

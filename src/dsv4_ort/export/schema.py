@@ -15,13 +15,6 @@ from typing import Any, Optional, Sequence
 
 TABLE_PATH = Path(__file__).with_name("op_table.json")
 
-# ONNX TensorProto.DataType codes of the type names used in the table.
-ONNX_TYPES = {
-    "float": 1, "uint8": 2, "int8": 3, "uint16": 4, "int16": 5, "int32": 6, "int64": 7, "string": 8, "bool": 9,
-    "float16": 10, "double": 11, "uint32": 12, "uint64": 13, "bfloat16": 16, "float8e4m3fn": 17,
-}
-
-
 @dataclasses.dataclass(frozen=True)
 class IoSpec:
     name: str
@@ -73,6 +66,40 @@ TABLE_VERSION: int = load_table()["table_version"]
 ORT_API_VERSION: int = load_table()["ort_api_version"]
 
 
+@dataclasses.dataclass(frozen=True)
+class ElementType:
+    """One ONNX element type of the table's ``element_types`` (the only type table of the project)."""
+
+    name: str   # ONNX spelling, as in tensor(float): "float", "bfloat16", "float8e4m3fn", ...
+    code: int   # TensorProto.DataType (= ONNXTensorElementDataType)
+    bytes: int  # per element; 0 = variable (string)
+    numpy: str  # numpy dtype of the storage (bfloat16: uint16 bits, float8e4m3fn: uint8 codes)
+
+
+# ONNX name -> element type, in code order.
+ELEMENT_TYPES: dict = {name: ElementType(name, d["code"], d["bytes"], d["numpy"])
+                       for name, d in sorted(load_table()["element_types"].items(), key=lambda kv: kv[1]["code"])}
+# ONNX name -> TensorProto.DataType code (a view of ELEMENT_TYPES).
+ONNX_TYPES: dict = {name: t.code for name, t in ELEMENT_TYPES.items()}
+
+
+def element_type(key) -> ElementType:
+    """The element type of an ONNX name ("float") or TensorProto.DataType code (1)."""
+    for t in ELEMENT_TYPES.values():
+        if key == t.name or key == t.code:
+            return t
+    raise KeyError(f"{key!r} is not an element type of the op table; known: {list(ELEMENT_TYPES)}")
+
+
+def element_type_of_numpy(dtype) -> ElementType:
+    """The element type a numpy dtype holds natively (uint16 is uint16, not bfloat16 bits)."""
+    name = str(dtype) if not hasattr(dtype, "name") else dtype.name
+    for t in ELEMENT_TYPES.values():
+        if t.numpy == name:
+            return t
+    raise KeyError(f"numpy dtype {name!r} has no element type in the op table")
+
+
 def _io(d: dict) -> IoSpec:
     rank = d.get("rank", -1)
     return IoSpec(d["name"], d["type"], bool(d.get("optional", False)), rank, d.get("min_rank", max(rank, 0)),
@@ -102,8 +129,13 @@ def get(name: str) -> OpSpec:
         raise KeyError(f"{name!r} is not an op of the {DOMAIN} domain; known: {sorted(ops())}") from None
 
 
-def infer_output_shapes(name: str, input_shapes: Sequence[Optional[Sequence[int]]], attrs: dict | None = None) -> list:
-    """Evaluates the table's output shape rules for concrete input shapes (None for absent optional inputs)."""
+def infer_output_shapes(name: str, input_shapes: Sequence[Optional[Sequence]], attrs: dict | None = None) -> list:
+    """Evaluates the table's output shape rules (None for absent optional inputs).
+
+    Dimensions may be ints or symbolic names (str, as the graph builder's ``batch``): tokens that copy input
+    dimensions carry them through, so the rule serves concrete shapes (tests) and symbolic ones (value_info) alike.
+    The C++ glue evaluates the same rules (custom_op.cc, EvalShapeRule) for shape inference and output allocation.
+    """
     spec = get(name)
     attrs = attrs or {}
     by_name = {io.name: shape for io, shape in zip(spec.inputs, input_shapes)}
@@ -114,9 +146,11 @@ def infer_output_shapes(name: str, input_shapes: Sequence[Optional[Sequence[int]
             tok = str(tok)
             if tok.startswith("@"):
                 key = tok[1:]
-                dims.append(int(attrs[key]) if key in attrs else int(spec.attr(key).default))
+                dims.append(int(attrs[key]) if attrs.get(key) is not None else int(spec.attr(key).default))
             elif "[" in tok:
                 src, inside = tok[:-1].split("[", 1)
+                if by_name.get(src) is None:
+                    raise ValueError(f"{name}: output {out.name!r} needs the shape of input {src!r}")
                 shape = list(by_name[src])
                 if ":" in inside:
                     a, b = inside.split(":")
@@ -126,6 +160,23 @@ def infer_output_shapes(name: str, input_shapes: Sequence[Optional[Sequence[int]
             else:
                 dims.append(int(tok))
         result.append(dims)
+    return result
+
+
+def infer_output_types(name: str, input_types: Sequence[Optional[int]]) -> list:
+    """TensorProto.DataType codes of the outputs for the codes of the inputs (None for absent optional inputs): a
+    concrete type, or the type of the first present input bound to the same type constraint (as the glue's
+    InferOutputShape does)."""
+    spec = get(name)
+    result = []
+    for out in spec.outputs:
+        if out.type not in spec.type_constraints:
+            result.append(ONNX_TYPES[out.type])
+            continue
+        bound = [t for io, t in zip(spec.inputs, input_types) if io.type == out.type and t is not None]
+        if not bound:
+            raise ValueError(f"{name}: no present input binds type constraint {out.type!r} of output {out.name!r}")
+        result.append(bound[0])
     return result
 
 

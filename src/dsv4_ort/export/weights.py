@@ -37,18 +37,14 @@ import sys
 import numpy as np
 from onnx import TensorProto
 
+from .schema import element_type
+
 # File offsets of all tensors are multiples of this: onnxruntime memory-maps external data whose offset is
 # aligned to the page size / allocation granularity instead of copying it.
 ALIGNMENT = 4096
 
 WEIGHT_MODES = ("native", "bf16", "fp32")
 
-ONNX_DTYPE_NAMES = {
-    TensorProto.FLOAT: "float32", TensorProto.BFLOAT16: "bfloat16", TensorProto.FLOAT8E4M3FN: "float8e4m3fn",
-    TensorProto.UINT8: "uint8", TensorProto.INT64: "int64", TensorProto.INT32: "int32",
-}
-_ITEMSIZE = {TensorProto.FLOAT: 4, TensorProto.BFLOAT16: 2, TensorProto.FLOAT8E4M3FN: 1, TensorProto.UINT8: 1,
-             TensorProto.INT64: 8, TensorProto.INT32: 4}
 
 _EXPERT_RE = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
 _SHARED_RE = re.compile(r"^layers\.(\d+)\.ffn\.shared_experts\.(w[123])\.weight$")
@@ -286,7 +282,7 @@ class ExternalDataWriter:
     def _reserve(self, name: str, dtype: int, dims: tuple, parts: int, source: str) -> Entry:
         if name in self._entries:
             raise WeightFormatError(f"tensor written twice | tensor {source or name!r}")
-        length = math.prod(dims) * _ITEMSIZE[dtype]
+        length = math.prod(dims) * element_type(dtype).bytes
         offset = -(-self.end // ALIGNMENT) * ALIGNMENT
         e = Entry(name, dtype, tuple(int(d) for d in dims), offset, length, parts, set(), source)
         self._entries[name] = e
@@ -322,8 +318,8 @@ class ExternalDataWriter:
             e = self._reserve(piece.name, piece.dtype, dims, parts, source)
         elif e.dtype != piece.dtype or e.dims != dims:
             raise WeightFormatError(
-                f"expert tensors of one layer differ in format: {ONNX_DTYPE_NAMES.get(piece.dtype)}{list(piece.dims)} "
-                f"vs {ONNX_DTYPE_NAMES.get(e.dtype)}{list(e.dims[1:])} (first: {e.source}) | tensor {source!r}")
+                f"expert tensors of one layer differ in format: {element_type(piece.dtype).name}{list(piece.dims)} "
+                f"vs {element_type(e.dtype).name}{list(e.dims[1:])} (first: {e.source}) | tensor {source!r}")
         if not 0 <= index < parts:
             raise WeightFormatError(f"expert index {index} outside [0, {parts}) | tensor {source!r}")
         if index in e.written:

@@ -10,16 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
-# ONNX element type name -> (numpy storage dtype, ONNX TensorProto code)
-STORAGE = {
-    "float": (np.float32, 1),
-    "float32": (np.float32, 1),
-    "bfloat16": (np.uint16, 16),
-    "float16": (np.float16, 10),
-    "float8e4m3fn": (np.uint8, 17),
-    "uint8": (np.uint8, 2),
-    "int64": (np.int64, 7),
-}
+from ..export.schema import ELEMENT_TYPES
+
+# Element types a state tensor may have (names as the op table spells them); stored in numpy as the table says.
+STATE_TYPES = ("float", "bfloat16", "float16", "float8e4m3fn", "uint8", "int64")
 
 
 class State:
@@ -36,9 +30,10 @@ class State:
         batch_dim = meta["state"]["batch_dim"]
         self.tensors = []  # (input name, output name, numpy buffer, OrtValue)
         for t in meta["state"]["tensors"]:
-            if t["dtype"] not in STORAGE:
+            if t["dtype"] not in STATE_TYPES:
                 raise ValueError(f"state tensor {t['input']} has unsupported dtype {t['dtype']}")
-            np_dtype, onnx_type = STORAGE[t["dtype"]]
+            elem = ELEMENT_TYPES[t["dtype"]]
+            np_dtype, onnx_type = np.dtype(elem.numpy), elem.code
             shape = [batch_size if d == batch_dim else int(d) for d in t["shape"]]
             buf = np.zeros(shape, np_dtype)
             value = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(buf, onnx_type)

@@ -12,10 +12,6 @@ from onnx import TensorProto, helper
 import dsv4_ort
 from dsv4_ort.export import schema
 
-NP_TO_ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.int64): TensorProto.INT64,
-              np.dtype(np.int32): TensorProto.INT32, np.dtype(np.uint8): TensorProto.UINT8}
-
-
 class BF16(np.ndarray):
     """Marks a uint16 array as bfloat16 storage."""
 
@@ -50,14 +46,32 @@ def onnx_type(a) -> int:
         return TensorProto.BFLOAT16
     if isinstance(a, FP8E4M3):
         return TensorProto.FLOAT8E4M3FN
-    return NP_TO_ONNX[np.asarray(a).dtype]
+    return schema.element_type_of_numpy(np.asarray(a).dtype).code
+
+
+def _output_types(op: str, inputs: dict) -> list:
+    """Output element types: concrete, or bound through a type constraint to the first matching input."""
+    spec = schema.get(op)
+    return schema.infer_output_types(op, [onnx_type(inputs[i.name]) if inputs.get(i.name) is not None else None
+                                          for i in spec.inputs])
+
+
+def _output_shapes(op: str, inputs: dict, attrs: dict) -> list:
+    """Output shapes by the op table's rules."""
+    spec = schema.get(op)
+    return schema.infer_output_shapes(op, [np.shape(inputs[i.name]) if inputs.get(i.name) is not None else None
+                                           for i in spec.inputs], attrs)
+
+
+def _output_buffer(shape, t: int) -> np.ndarray:
+    """An output buffer of element type t (bfloat16 as uint16 bits)."""
+    return np.empty(shape, np.dtype(schema.element_type(t).numpy))
 
 
 def one_node_model(op: str, inputs: dict, out_types: list, attrs: dict) -> bytes:
     """A model holding one node of our domain; graph outputs typed and shaped from the op table's rules."""
     spec = schema.get(op)
-    out_shapes = schema.infer_output_shapes(op, [np.shape(inputs[i.name]) if inputs.get(i.name) is not None else None
-                                                 for i in spec.inputs], attrs)
+    out_shapes = _output_shapes(op, inputs, attrs)
     names = [io.name for io in spec.inputs]
     node_inputs = [n if inputs.get(n) is not None else "" for n in names]
     while node_inputs and node_inputs[-1] == "":
@@ -88,17 +102,9 @@ def run_op(op: str, inputs: dict, attrs: dict | None = None, isa: str | None = N
     bfloat16 outputs as float32. Output shapes are taken from the op table's shape rules."""
     attrs = attrs or {}
     spec = schema.get(op)
-    # Output element types: concrete, or bound through a type constraint to the first matching input.
-    out_types = []
-    for o in spec.outputs:
-        if o.type in spec.type_constraints:
-            src = next(i for i in spec.inputs if i.type == o.type and inputs.get(i.name) is not None)
-            out_types.append(onnx_type(inputs[src.name]))
-        else:
-            out_types.append(schema.ONNX_TYPES[o.type])
+    out_types = _output_types(op, inputs)
     sess = _session(one_node_model(op, inputs, out_types, attrs), isa, threads)
-    shapes = schema.infer_output_shapes(op, [np.shape(inputs[i.name]) if inputs.get(i.name) is not None else None
-                                             for i in spec.inputs], attrs)
+    shapes = _output_shapes(op, inputs, attrs)
     io = sess.io_binding()
     for name, a in inputs.items():
         if a is None:
@@ -108,9 +114,7 @@ def run_op(op: str, inputs: dict, attrs: dict | None = None, isa: str | None = N
             arr.view(np.uint16) if isinstance(a, BF16) else arr, onnx_type(a)))
     outs = []
     for o, t, shape in zip(spec.outputs, out_types, shapes):
-        np_dtype = {TensorProto.FLOAT: np.float32, TensorProto.INT64: np.int64,
-                    TensorProto.BFLOAT16: np.uint16, TensorProto.UINT8: np.uint8}[t]
-        buf = np.empty(shape, np_dtype)
+        buf = _output_buffer(shape, t)
         io.bind_output(o.name, "cpu", 0, t, list(shape), buf.ctypes.data)
         outs.append(buf)
     sess.run_with_iobinding(io)
@@ -126,16 +130,9 @@ def run_op_inplace(op: str, inputs: dict, alias: dict, attrs: dict | None = None
     arrays too). Returns all outputs like :func:`run_op` (aliased ones as float32 copies of the updated arrays)."""
     attrs = attrs or {}
     spec = schema.get(op)
-    out_types = []
-    for o in spec.outputs:
-        if o.type in spec.type_constraints:
-            src = next(i for i in spec.inputs if i.type == o.type and inputs.get(i.name) is not None)
-            out_types.append(onnx_type(inputs[src.name]))
-        else:
-            out_types.append(schema.ONNX_TYPES[o.type])
+    out_types = _output_types(op, inputs)
     sess = _session(one_node_model(op, inputs, out_types, attrs), isa, threads)
-    shapes = schema.infer_output_shapes(op, [np.shape(inputs[i.name]) if inputs.get(i.name) is not None else None
-                                             for i in spec.inputs], attrs)
+    shapes = _output_shapes(op, inputs, attrs)
     io = sess.io_binding()
     values = {}
     for name, a in inputs.items():
@@ -156,9 +153,7 @@ def run_op_inplace(op: str, inputs: dict, alias: dict, attrs: dict | None = None
             io.bind_ortvalue_output(o.name, values[alias[o.name]])
             outs.append(inputs[alias[o.name]])
             continue
-        np_dtype = {TensorProto.FLOAT: np.float32, TensorProto.INT64: np.int64,
-                    TensorProto.BFLOAT16: np.uint16, TensorProto.UINT8: np.uint8}[t]
-        buf = np.empty(shape, np_dtype)
+        buf = _output_buffer(shape, t)
         io.bind_output(o.name, "cpu", 0, t, list(shape), buf.ctypes.data)
         outs.append(buf)
     sess.run_with_iobinding(io)
@@ -173,13 +168,7 @@ def run_op_const(op: str, inputs: dict, constants: tuple, attrs: dict | None = N
 
     attrs = attrs or {}
     spec = schema.get(op)
-    out_types = []
-    for o in spec.outputs:
-        if o.type in spec.type_constraints:
-            src = next(i for i in spec.inputs if i.type == o.type and inputs.get(i.name) is not None)
-            out_types.append(onnx_type(inputs[src.name]))
-        else:
-            out_types.append(schema.ONNX_TYPES[o.type])
+    out_types = _output_types(op, inputs)
     model = onnx.ModelProto()
     model.ParseFromString(one_node_model(op, inputs, out_types, attrs))
     kept = [i for i in model.graph.input if i.name not in constants]
@@ -197,8 +186,7 @@ def run_op_const(op: str, inputs: dict, constants: tuple, attrs: dict | None = N
     with dsv4_ort.isa_cap(isa):
         dsv4_ort.register(so)
         sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    shapes = schema.infer_output_shapes(op, [np.shape(inputs[i.name]) if inputs.get(i.name) is not None else None
-                                             for i in spec.inputs], attrs)
+    shapes = _output_shapes(op, inputs, attrs)
     io = sess.io_binding()
     for name, a in inputs.items():
         if a is None or name in constants:
@@ -208,8 +196,7 @@ def run_op_const(op: str, inputs: dict, constants: tuple, attrs: dict | None = N
             arr.view(np.uint16) if isinstance(a, BF16) else arr, onnx_type(a)))
     outs = []
     for o, t, shape in zip(spec.outputs, out_types, shapes):
-        buf = np.empty(shape, {TensorProto.FLOAT: np.float32, TensorProto.INT64: np.int64,
-                               TensorProto.BFLOAT16: np.uint16, TensorProto.UINT8: np.uint8}[t])
+        buf = _output_buffer(shape, t)
         io.bind_output(o.name, "cpu", 0, t, list(shape), buf.ctypes.data)
         outs.append(buf)
     sess.run_with_iobinding(io)

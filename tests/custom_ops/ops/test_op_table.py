@@ -121,3 +121,32 @@ def test_shape_rules():
     assert schema.infer_output_shapes("HcPre", [(2, 5, 4, 64), (24, 256), (3,), (24,)]) == [[2, 5, 64], [2, 5, 4],
                                                                                                [2, 5, 4, 4]]
     assert schema.infer_output_shapes("MoeRouteTopK", [(7, 64), None], {"top_k": 6}) == [[7, 6], [7, 6]]
+    # symbolic dimensions (the graph builder's) pass through the same rules
+    assert schema.infer_output_shapes("Linear", [("batch", "seq", 64), (32, 64)]) == [["batch", "seq", 32]]
+    assert schema.infer_output_shapes("Indexer", [("batch", "seq", 4, 32), None, None, None], {"index_topk": 8}) == \
+        [["batch", "seq", 8]]
+
+
+def test_output_types_follow_the_table():
+    f, bf, i64, u8 = (schema.ONNX_TYPES[t] for t in ("float", "bfloat16", "int64", "uint8"))
+    assert schema.infer_output_types("HcPre", [bf, f, f, f]) == [bf, f, f]
+    assert schema.infer_output_types("Compressor", [f, f, f, bf, f, i64, u8, f, f]) == [u8, f, f]
+    with pytest.raises(ValueError, match="type constraint"):
+        schema.infer_output_types("RmsNorm", [None, None])
+
+
+def test_element_types_are_onnx_and_numpy_spellings():
+    # one table (op_table.json "element_types"): ONNX names and codes, numpy storage dtypes
+    for name, t in schema.ELEMENT_TYPES.items():
+        assert TensorProto.DataType.Value(name.upper()) == t.code == schema.ONNX_TYPES[name]
+        assert schema.element_type(t.code) is t and schema.element_type(name) is t
+        assert t.bytes == (0 if name == "string" else np.dtype(t.numpy).itemsize)
+    assert schema.element_type_of_numpy(np.dtype(np.float32)).name == "float"
+    assert schema.element_type_of_numpy(np.dtype(np.uint16)).name == "uint16"
+    assert schema.element_type_of_numpy(np.dtype(np.uint8)).name == "uint8"
+    # every type the ops use is in the table
+    for spec in schema.ops().values():
+        for io in spec.inputs + spec.outputs:
+            assert io.type in spec.type_constraints or io.type in schema.ELEMENT_TYPES, (spec.name, io.name)
+        for types in spec.type_constraints.values():
+            assert set(types) <= set(schema.ELEMENT_TYPES), spec.name
