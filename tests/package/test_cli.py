@@ -298,3 +298,57 @@ def test_fifo_in_the_checkpoint_is_an_error_not_a_hang(tmp_path, command):
     r = subprocess.run([exe, *args], check=False, capture_output=True, text=True, timeout=60,
                        env=dict(os.environ, DSV4_ORT_CACHE=str(tmp_path / "cache")))
     assert r.returncode == 2 and str(ck / "model.safetensors") in one_line(r.stderr) and "FIFO" in r.stderr
+
+
+def _write_tiny(path, seed):
+    from dsv4_ort.models import DeepseekV4Config, write_random_checkpoint
+
+    write_random_checkpoint(path, DeepseekV4Config.from_preset("tiny"), seed=seed)
+
+
+def test_rewritten_checkpoint_is_exported_again(capsys, tmp_path, monkeypatch):
+    """The cache key of `run --checkpoint` follows the weights, not the directory name: a checkpoint rewritten
+    with other weights (same names, shapes and sizes, even with its time stamps put back) is exported again."""
+    monkeypatch.setenv("DSV4_ORT_CACHE", str(tmp_path / "cache"))
+    ck = tmp_path / "ck"
+    _write_tiny(ck, seed=0)
+    run = ("run", "--checkpoint", str(ck), "--max-new-tokens", "6")
+    code, first, err = cli(capsys, *run)
+    assert code == 0 and "exporting" in err, err
+    code, again, err = cli(capsys, *run)
+    assert code == 0 and "exporting" not in err and again.splitlines()[0] == first.splitlines()[0]
+    times = {f.name: (f.stat().st_atime_ns, f.stat().st_mtime_ns) for f in ck.iterdir()}
+    _write_tiny(ck, seed=1)
+    for f in ck.iterdir():
+        os.utime(f, ns=times[f.name])
+    code, second, err = cli(capsys, *run)
+    assert code == 0 and "exporting" in err, err
+    ids = [[line for line in out.splitlines() if line.startswith("generated ids")] for out in (first, second)]
+    assert ids[0] and ids[0] != ids[1]
+
+
+def test_checkpoint_key_reads_samples_of_a_large_shard(tmp_path):
+    """A shard larger than the sampled blocks: a change in a sampled block, the size or the header changes the
+    key; the key reads the header and the samples, not the whole file."""
+    from dsv4_ort.runtime.cli import SAMPLE_BYTES, SAMPLES, checkpoint_key
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "config.json").write_text("{}")
+    header = json.dumps({"w": {"dtype": "U8", "shape": [1 << 22], "data_offsets": [0, 1 << 22]}}).encode()
+    shard = ck / "model.safetensors"
+    shard.write_bytes(len(header).to_bytes(8, "little") + header + bytes(1 << 22))
+    st = shard.stat()
+    base = checkpoint_key(ck)
+    assert checkpoint_key(ck) == base
+    data_start = 8 + len(header)
+    last_block = st.st_size - SAMPLE_BYTES  # the last sample ends at the end of the file
+    with open(shard, "r+b") as fh:
+        fh.seek(last_block + 7)
+        fh.write(b"\x01")
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    changed = checkpoint_key(ck)
+    assert changed != base
+    (ck / "config.json").write_text('{"a": 1}')
+    assert checkpoint_key(ck) not in (base, changed)
+    assert SAMPLES * SAMPLE_BYTES < st.st_size - data_start  # the shard really is sampled, not read whole

@@ -183,3 +183,63 @@ def test_text_arguments_are_checked(session):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         session.decode([-1])
     assert session.decode(np.array([3, 4], np.int32)) == "3 4"  # no tokenizer: the ids
+
+
+# ---- Session construction ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"intra_op_threads": 0}, ValueError, "intra_op_threads"),
+    ({"intra_op_threads": -1}, ValueError, "intra_op_threads"),
+    ({"intra_op_threads": 5000}, ValueError, "intra_op_threads"),
+    ({"intra_op_threads": True}, TypeError, "intra_op_threads"),
+    ({"intra_op_threads": 2.0}, TypeError, "intra_op_threads"),
+    ({"intra_op_threads": "2"}, TypeError, "intra_op_threads"),
+    ({"prefill_chunk": 0}, ValueError, "prefill_chunk"),
+    ({"prefill_chunk": -4}, ValueError, "prefill_chunk"),
+    ({"prefill_chunk": 1.5}, TypeError, "prefill_chunk"),
+    ({"prefill_chunk": False}, TypeError, "prefill_chunk"),
+])
+def test_session_rejects_bad_options(session, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        Session(session.model_dir, **kwargs)
+
+
+def test_damaged_tokenizer_is_a_model_error_naming_the_file_on_use(session, tmp_path):
+    """A model whose tokenizer.json does not parse loads and runs on ids; text I/O is a ModelError naming it."""
+    import shutil
+
+    from dsv4_ort.runtime import ModelError
+
+    pytest.importorskip("tokenizers")
+    d = tmp_path / "m"
+    shutil.copytree(session.model_dir, d)
+    (d / "tokenizer.json").write_text("{not a tokenizer")
+    s = Session(d, intra_op_threads=1)
+    assert s.generate([1, 2, 3], 2) == session.generate([1, 2, 3], 2)
+    for use in (lambda: s.tokenizer, lambda: s.encode("hi"), lambda: s.decode([1])):
+        with pytest.raises(ModelError, match="tokenizer.json"):
+            use()
+    s.tokenizer = None  # ids only, by choice
+    assert s.decode([1, 2]) == "1 2"
+
+
+def test_load_error_with_an_empty_message_names_the_model(session, tmp_path, monkeypatch):
+    """onnxruntime raising with an empty message still gives a ModelError naming model.onnx (no IndexError)."""
+    import onnxruntime as ort
+
+    from dsv4_ort.runtime import ModelError
+
+    class Quiet(Exception):
+        def __str__(self):
+            return ""
+
+    real = ort.InferenceSession
+
+    def fail(model, *a, **k):
+        if isinstance(model, str) and model.endswith("model.onnx"):
+            raise Quiet()
+        return real(model, *a, **k)
+
+    monkeypatch.setattr(ort, "InferenceSession", fail)
+    with pytest.raises(ModelError, match=r"model\.onnx: Quiet"):
+        Session(session.model_dir, intra_op_threads=1)

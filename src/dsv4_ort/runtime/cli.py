@@ -25,23 +25,43 @@ def cache_dir() -> Path:
     return Path(base)
 
 
+# checkpoint_key reads at most this much of a shard besides its header: SAMPLES blocks spread evenly over the
+# file (a shard no larger than SAMPLES * SAMPLE_BYTES is read whole).
+SAMPLES, SAMPLE_BYTES = 16, 4096
+
+
 def checkpoint_key(path: Path) -> str:
-    """A content key for a checkpoint directory: config, index, and every shard's name, size and header."""
+    """A content key for a checkpoint directory, cheap for a 160 GB checkpoint (a few MB read).
+
+    Covers every ``*.json`` file whole (config, index, tokenizer) and, per ``*.safetensors`` shard: its name, size,
+    modification time (ns) and inode, its whole header (tensor names, dtypes, shapes, offsets) and 16 blocks of
+    4 KiB spread over its data (all of it for a small shard). Rewriting weights changes the modification time (and
+    most likely a sampled block) so the checkpoint is exported again; a change that keeps size, header, time stamp
+    and every sampled block is not seen (use ``dsv4-ort export`` for such a checkpoint)."""
     h = hashlib.sha256()
     for f in sorted(path.iterdir()):
         try:
-            regular = stat.S_ISREG(f.stat().st_mode)
+            st = f.stat()
         except OSError:  # a dangling link
-            regular = False
-        if not regular:  # a FIFO would block the read (check_checkpoint_path reports one among the shards)
+            continue
+        if not stat.S_ISREG(st.st_mode):  # a FIFO would block the read (check_checkpoint_path reports a shard one)
             continue
         if f.suffix == ".json":
-            h.update(f.name.encode() + f.read_bytes())
+            h.update(b"json\0" + f.name.encode() + b"\0" + f.read_bytes())
         elif f.suffix == ".safetensors":
+            h.update(b"shard\0%s\0%d %d %d\0" % (f.name.encode(), st.st_size, st.st_mtime_ns, st.st_ino))
             with open(f, "rb") as fh:
                 head = fh.read(8)
                 n = int.from_bytes(head, "little") if len(head) == 8 else 0
-                h.update(f.name.encode() + str(f.stat().st_size).encode() + head + fh.read(min(n, 1 << 24)))
+                h.update(head + fh.read(min(n, 1 << 24)))
+                start = fh.tell()
+                span = st.st_size - start
+                if span <= SAMPLES * SAMPLE_BYTES:
+                    h.update(fh.read())
+                else:
+                    for i in range(SAMPLES):
+                        fh.seek(start + (span - SAMPLE_BYTES) * i // (SAMPLES - 1))
+                        h.update(fh.read(SAMPLE_BYTES))
     return h.hexdigest()[:16]
 
 
@@ -106,52 +126,21 @@ def ensure_export(checkpoint: str | None, *, quiet: bool, force: bool = False) -
 
 
 def open_session(model_dir, *, threads: int, isa: str | None, need_text: bool = True, quiet: bool = False):
-    """``Session(model_dir)``. An unreadable tokenizer.json (which Session loads) is a ModelError naming the file
-    when text is needed (``need_text``); without it (``--ids``) the model is loaded without its tokenizer and the
-    output is token ids, with a one-line warning."""
+    """``Session(model_dir)`` with its tokenizer read up front. An unreadable tokenizer.json is a ModelError naming
+    the file when text is needed (``need_text``); without it (``--ids``) the output is token ids, with a one-line
+    warning."""
     from .session import ModelError, Session
 
+    sess = Session(model_dir, intra_op_threads=threads or None, isa=isa)
     try:
-        return Session(model_dir, intra_op_threads=threads or None, isa=isa)
-    except ModelError:
-        raise
-    except Exception:
-        tok = Path(model_dir) / "tokenizer.json"
-        why = _tokenizer_error(tok) if tok.is_file() else None
-        if why is None:
+        sess.tokenizer
+    except ModelError as e:
+        if need_text:
             raise
-    if need_text:
-        raise ModelError(f"{tok} is corrupt: {why}")
-    if not quiet:
-        print(f"warning: {tok} is corrupt ({why}); ignoring it, output is token ids", file=sys.stderr)
-    # Session reads tokenizer.json whenever the tokenizers package imports; hidden for this one construction it
-    # loads the model alone, as it does where tokenizers is not installed
-    saved = sys.modules.get("tokenizers")
-    sys.modules["tokenizers"] = None
-    try:
-        return Session(model_dir, intra_op_threads=threads or None, isa=isa)
-    finally:
-        if saved is None:
-            sys.modules.pop("tokenizers", None)
-        else:
-            sys.modules["tokenizers"] = saved
-
-
-def _tokenizer_error(path: Path) -> str | None:
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        return None
-    try:
-        Tokenizer.from_file(str(path))
-    except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exceptions
-        return _one_line(e)
-    return None
-
-
-def _one_line(e: BaseException) -> str:
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return lines[-1] if lines else type(e).__name__
+        if not quiet:
+            print(f"warning: {e}; ignoring it, output is token ids", file=sys.stderr)
+        sess.tokenizer = None
+    return sess
 
 
 def _speeds(stats: dict) -> str:

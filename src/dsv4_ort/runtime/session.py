@@ -99,7 +99,7 @@ def _check_metadata(meta: dict, meta_path: Path) -> None:
 def _check_against_graph(meta: dict, session, model_path: Path) -> None:
     """dsv4_ort.json must describe the graph it sits next to: the op table version and capacity recorded inside
     model.onnx, every state tensor (name, element type, fixed dimensions) and the vocabulary of the logits."""
-    from .state import STORAGE
+    from .state import STATE_TYPES
 
     def mismatch(what: str) -> ModelError:
         return ModelError(f"{model_path.parent / META_FILE} does not match {model_path}: {what}")
@@ -121,8 +121,7 @@ def _check_against_graph(meta: dict, session, model_path: Path) -> None:
             arg = table.get(name)
             if arg is None:
                 raise mismatch(f"the graph has no state tensor {name!r}")
-            want = STORAGE.get(t["dtype"])
-            if want is None or arg.type != f"tensor({_ONNX_TYPE_NAMES.get(want[1], '?')})":
+            if t["dtype"] not in STATE_TYPES or arg.type != f"tensor({t['dtype']})":
                 raise mismatch(f"state tensor {name!r} is {arg.type} in the graph, {t['dtype']} in the JSON")
             fixed = [(a, b) for a, b in zip(arg.shape, t["shape"]) if isinstance(a, int)]
             if len(arg.shape) != len(t["shape"]) or any(a != b for a, b in fixed):
@@ -202,7 +201,14 @@ def _token_ids(value, name: str, vocab: int) -> np.ndarray:
     return np.ascontiguousarray(arr.astype(np.int64))
 
 
-_ONNX_TYPE_NAMES = {1: "float", 16: "bfloat16", 10: "float16", 17: "float8e4m3fn", 2: "uint8", 7: "int64"}
+_NOT_LOADED = object()
+
+
+def _last_line(e: BaseException) -> str:
+    """The last non-empty line of an exception's message (onnxruntime and tokenizers put the cause there), or the
+    exception's type name when the message is empty."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[-1] if lines else type(e).__name__
 
 
 class Session:
@@ -213,7 +219,13 @@ class Session:
         intra_op_threads: onnxruntime intra-op threads (default: physical cores).
         isa: cap the kernels' ISA level ("scalar", "avx2", "avx512", "amx"); default: the best the CPU has.
         prefill_chunk: split prompts longer than this into chunks (default: no split).
+
+    ``tokenizer.json`` (when the model directory has one and the ``tokenizers`` package is installed) is read on
+    first use (:attr:`tokenizer`, :meth:`encode`, :meth:`decode`); an unreadable one is a :class:`ModelError`
+    naming the file then, so a model with a damaged tokenizer still runs on token ids.
     """
+
+    MAX_THREADS = 1024
 
     def __init__(self, model_dir: str | os.PathLike, *, intra_op_threads: int | None = None, isa: str | None = None,
                  prefill_chunk: int | None = None):
@@ -241,9 +253,15 @@ class Session:
         self.vocab_size = int(self.config["vocab_size"])
         self.max_seq_len = int(self.meta["max_seq_len"])
         self.logits_mode = self.meta.get("logits", "all")
+        if prefill_chunk is not None:
+            prefill_chunk = check_count("prefill_chunk", prefill_chunk, minimum=1)
         self.prefill_chunk = prefill_chunk
+        if intra_op_threads is not None:
+            intra_op_threads = check_count("intra_op_threads", intra_op_threads, minimum=1)
+            if intra_op_threads > self.MAX_THREADS:
+                raise ValueError(f"intra_op_threads must be <= {self.MAX_THREADS}, got {intra_op_threads}")
         so = ort.SessionOptions()
-        so.intra_op_num_threads = int(intra_op_threads or physical_cores())
+        so.intra_op_num_threads = intra_op_threads or physical_cores()
         # Fatal only: every error reaches the caller as an exception with the same text, so onnxruntime's own log lines
         # would only repeat it (and break the one-line error of the command line).
         so.log_severity_level = 4
@@ -253,19 +271,35 @@ class Session:
                 self.session = ort.InferenceSession(str(self.model_dir / MODEL_FILE), so,
                                                     providers=["CPUExecutionProvider"])
             except Exception as e:
-                raise ModelError(f"cannot load {self.model_dir / MODEL_FILE}: {str(e).strip().splitlines()[-1]}") \
-                    from None
+                raise ModelError(f"cannot load {self.model_dir / MODEL_FILE}: {_last_line(e)}") from None
         _check_against_graph(self.meta, self.session, self.model_dir / MODEL_FILE)
         self.threads = so.intra_op_num_threads
-        self.tokenizer = None
-        tok = self.model_dir / "tokenizer.json"
-        if tok.is_file():
+        self._tokenizer = _NOT_LOADED
+
+    @property
+    def tokenizer(self):
+        """The model's ``tokenizers.Tokenizer``, or None (no tokenizer.json, or the tokenizers package is not
+        installed). Read on first access; an unreadable file is a ModelError naming it (raised at each access)."""
+        if self._tokenizer is _NOT_LOADED:
+            tok = self.model_dir / "tokenizer.json"
+            if not tok.is_file():
+                self._tokenizer = None
+                return None
             try:
                 from tokenizers import Tokenizer
-
-                self.tokenizer = Tokenizer.from_file(str(tok))
             except ImportError:  # text I/O is optional; ids always work
-                self.tokenizer = None
+                self._tokenizer = None
+                return None
+            try:
+                self._tokenizer = Tokenizer.from_file(str(tok))
+            except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exceptions
+                raise ModelError(f"{tok} is not a readable tokenizer: {_last_line(e)}") from None
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, value) -> None:
+        """Replace the tokenizer (None: ids only)."""
+        self._tokenizer = value
 
     # ---- state and forward ---------------------------------------------------------------------------------------
 
