@@ -67,7 +67,7 @@ class OrtModel:
 
     def new_state(self, batch: int) -> dict:
         """name -> numpy buffer (zeros); the OrtValues wrap these arrays, so updates are visible in numpy."""
-        dtypes = {"float": np.float32, "float32": np.float32, "uint8": np.uint8}  # uint8: FP8 state rows (exports with state="fp8")
+        dtypes = {"float": np.float32, "uint8": np.uint8}  # uint8: FP8 state rows (exports with state="fp8")
         return {t["input"]: np.zeros([batch] + t["shape"][1:], dtypes[t["dtype"]])
                 for t in self.meta["state"]["tensors"]}
 

@@ -123,6 +123,10 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="time budget in seconds for each of the kernel and end-to-end sections")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.add_argument("--debug", action="store_true", help="print tracebacks of failing measurements")
+    p.add_argument("--formats", action="store_true",
+                   help="instead of the suite: the export weight options (--head / --dense) side by side, quality "
+                        "against native and decode speed, on the tiny and bench presets (tiny only with --smoke); "
+                        "writes formats.json + formats.md into --out")
     return p
 
 
@@ -137,6 +141,14 @@ def cmd_bench(args) -> int:
     check_out_dir(args.out)
     if args.model_dir is not None and not os.path.isdir(args.model_dir):
         raise FileNotFoundError(f"--model-dir {args.model_dir!r} does not exist")
+    if args.formats:
+        from . import formats
+
+        log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+        result = formats.run(("tiny",) if args.smoke else ("tiny", "bench"), threads=args.threads, log=log)
+        formats.write(result, args.out)
+        print(formats.markdown(result))
+        return 0
     from .suite import run
 
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"

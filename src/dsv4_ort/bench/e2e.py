@@ -55,8 +55,14 @@ def ensure_export(preset: str, max_seq_len: int, log) -> Path:
 
     out = cache_dir() / "bench" / f"{preset}-native-seed0-len{max_seq_len}-v{dsv4_ort.__version__}-" \
                                   f"ops{schema.TABLE_VERSION}"
-    if (out / "model.onnx").is_file() and (out / "dsv4_ort.json").is_file():
-        return out
+    if out.is_dir():
+        from dsv4_ort.runtime.session import ModelError, read_metadata
+
+        try:
+            read_metadata(out)
+            return out
+        except ModelError:  # damaged, or written by an older format version: export it again
+            shutil.rmtree(out)
     from dsv4_ort.export import export_model
 
     log(f"  exporting the {preset} preset into {out} (once; later runs reuse it)")

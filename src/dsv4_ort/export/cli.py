@@ -90,6 +90,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--weights", choices=("native", "bf16", "fp32"), default="native",
                    help="weight formats: native (as stored: FP8/FP4 + E8M0 scales, bf16, fp32; default), bf16 "
                         "(dequantise every matrix to bf16) or fp32")
+    p.add_argument("--head", choices=("native", "fp8", "fp4"), default="native",
+                   help="LM head format: native (default), fp8 (E4M3 + E8M0 128x128 block scales) or fp4 (E2M1 + E8M0 "
+                        "scales per 32 inputs), quantised from the exact weights: fewer bytes per decoded token")
+    p.add_argument("--dense", choices=("native", "fp8", "fp4"), default="native",
+                   help="the same for the dense projections (attention, compressor, indexer, shared experts; not the "
+                        "routers, embedding or routed experts)")
     p.add_argument("--max-seq-len", type=_positive_int, default=None, metavar="N",
                    help="state capacity in positions per row; a multiple of every compress ratio (default: "
                         "min(4096, max_position_embeddings))")
@@ -138,9 +144,9 @@ def run(args) -> int:
         from dsv4_ort.export import export_model
 
         t0 = time.perf_counter()
-        path = export_model(checkpoint, out_dir, preset=args.preset, weights=args.weights,
-                            max_seq_len=args.max_seq_len, max_batch=args.max_batch, logits=args.logits,
-                            progress=not args.quiet, seed=args.seed, state=args.state)
+        path = export_model(checkpoint, out_dir, preset=args.preset, weights=args.weights, head=args.head,
+                            dense=args.dense, max_seq_len=args.max_seq_len, max_batch=args.max_batch,
+                            logits=args.logits, progress=not args.quiet, seed=args.seed, state=args.state)
     except ImportError as e:
         return _fail(f"the exporter needs the 'export' extra (pip install 'dsv4-ort[export]'): {e}")
     except (CheckpointError, ValueError, OSError) as e:

@@ -20,8 +20,8 @@ from . import schema
 from .files import DATA_FILE, FORMAT_VERSION, META_FILE, MODEL_FILE, export_trailer
 from .graph import (ACT, BATCH, SEQ, STATE_FORMATS, DecoderGraph, GraphBuildError, Weight, input_accepts, layer_kind,
                     make_model)
-from .weights import (WEIGHT_MODES, ExternalDataWriter, WeightFormatError, convert,
-                      external_initializer, release_pages, stacked_name, tensor_role)
+from .weights import (REQUANT_FORMATS, WEIGHT_MODES, ExternalDataWriter, WeightFormatError, convert,
+                      external_initializer, requantize, release_pages, stacked_name, tensor_role)
 
 LOGITS_MODES = ("last", "all")
 DEFAULT_MAX_SEQ_LEN = 4096
@@ -179,7 +179,8 @@ def _fsync_dir(path: Path) -> None:
 
 def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights: str = "native",
                  max_seq_len: int | None = None, max_batch: int = DEFAULT_MAX_BATCH, logits: str = "last",
-                 progress: bool = True, seed: int = 0, check: bool = True, state: str = "default") -> Path:
+                 progress: bool = True, seed: int = 0, check: bool = True, state: str = "default",
+                 head: str = "native", dense: str = "native") -> Path:
     """Export a DeepSeek-V4 checkpoint (or a preset with random weights) to ONNX.
 
     Args:
@@ -198,6 +199,10 @@ def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights:
         state: ``default`` (window, entries and indexer keys in the activation dtype) or ``fp8`` (uint8 rows: FP8
             E4M3 no-rope channels with E8M0 block scales and bf16 rope channels for window / entries, E4M3 codes
             with a float32 scale for indexer keys; see the FP8 state section of :mod:`dsv4_ort.models.functional`).
+        head: LM head format: ``native`` (as stored), ``fp8`` (E4M3 + E8M0 128 x 128 block scales) or ``fp4``
+            (E2M1 + E8M0 scales per 32 inputs), quantised from the exact value (:func:`.weights.requantize`).
+        dense: the same for the dense projections (attention, compressor and indexer projections, shared experts;
+            not the routers, the embedding or the routed experts).
         progress: tqdm bar over the tensors written.
         check: run ``onnx.checker.check_model(full_check=True)`` on the graph before writing it.
     Returns:
@@ -217,6 +222,9 @@ def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights:
         raise ExportError(f"max_batch must be a positive integer, got {max_batch!r}")
     if state not in STATE_FORMATS:
         raise ExportError(f"state must be one of {STATE_FORMATS}, got {state!r}")
+    for what, fmt in (("head", head), ("dense", dense)):
+        if fmt not in REQUANT_FORMATS:
+            raise ExportError(f"{what} must be one of {REQUANT_FORMATS}, got {fmt!r}")
     out_dir = Path(out_dir)
     config, source, origin, ck_dir = _load_source(checkpoint_dir, preset, seed)
     max_seq_len = default_max_seq_len(config) if max_seq_len is None else check_max_seq_len(config, max_seq_len)
@@ -232,7 +240,8 @@ def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights:
         except OSError as e:
             raise ExportError(f"cannot write next to the output directory {str(out_dir)!r} ({e.strerror or e})") \
                 from None
-        written, formats = _stream_weights(config, source, writer, weights, progress, ck_dir)
+        requant = {"head": head, "dense": dense}
+        written, formats = _stream_weights(config, source, writer, weights, progress, ck_dir, requant)
         writer.append_trailer(export_trailer(export_id))
         writer.close()
         t_weights = time.perf_counter() - t0
@@ -247,13 +256,15 @@ def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights:
 
         tok_files = [f for f in TOKENIZER_FILES if ck_dir is not None and os.path.isfile(os.path.join(ck_dir, f))]
         meta = _metadata(config, dg, g, origin, weights, formats, max_seq_len, max_batch, logits, tok_files)
+        meta["weights"]["requantized"] = requant
         meta["export_id"] = export_id
         meta["export"] = {"seconds": round(time.perf_counter() - t0, 3), "weights_seconds": round(t_weights, 3),
                           "data_bytes": writer.end}
         model = make_model(g, {"dsv4_ort.json": json.dumps(meta, sort_keys=True),
                                "dsv4_ort.format_version": FORMAT_VERSION, "dsv4_ort.max_seq_len": max_seq_len,
                                "dsv4_ort.max_batch": max_batch, "dsv4_ort.logits": logits,
-                               "dsv4_ort.weights": weights, "dsv4_ort.op_table_version": schema.TABLE_VERSION,
+                               "dsv4_ort.weights": weights,
+                               "dsv4_ort.requantized": f"head={head},dense={dense}", "dsv4_ort.op_table_version": schema.TABLE_VERSION,
                                "dsv4_ort.ort_api_version": schema.ORT_API_VERSION, "dsv4_ort.export_id": export_id},
                            doc="DeepSeek-V4 decoder exported by dsv4-ort; see dsv4_ort.json")
         _write(stage / MODEL_FILE, model.SerializeToString())
@@ -362,8 +373,9 @@ def _publish(stage: Path, out_dir: Path) -> None:
         _fsync_dir(out_dir.parent)
 
 
-def _stream_weights(config, source, writer: ExternalDataWriter, mode: str, progress: bool, ck_dir):
-    """Reads every checkpoint tensor once, converts it and writes it. Returns (name -> Weight, format summary)."""
+def _stream_weights(config, source, writer: ExternalDataWriter, mode: str, progress: bool, ck_dir, requant: dict):
+    """Reads every checkpoint tensor once, converts it (and requantises it per ``requant``, see
+    :func:`_requant_group`) and writes it. Returns (name -> Weight, format summary)."""
     from dsv4_ort.models.errors import CheckpointError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
     from dsv4_ort.models.inventory import deepseek_tensor_specs
 
@@ -407,6 +419,9 @@ def _stream_weights(config, source, writer: ExternalDataWriter, mode: str, progr
             out_name = st[0] if st else name
             try:
                 conv = convert(rt, out_name, mode, keep_bf16_param=keep_bf16)
+                fmt = requant.get(_requant_group(name), "native")
+                if fmt != "native":
+                    conv = requantize(rt, conv, fmt)
             except (WeightFormatError, CheckpointError):
                 raise
             except ValueError as e:  # codec errors (NaN encodings, bad scale shapes)
@@ -450,6 +465,17 @@ def _stream_weights(config, source, writer: ExternalDataWriter, mode: str, progr
     for name, idx in writer.incomplete():  # cannot happen when every expected tensor was seen; kept as a guard
         raise MissingTensorError(f"experts {idx} missing", tensor=name, file=where)
     return written, {k: sorted(v) for k, v in sorted(formats.items())}
+
+
+def _requant_group(name: str) -> str | None:
+    """Which requantisation option covers a tensor: ``head``, ``dense`` (attention / compressor / indexer
+    projections and shared experts, see :func:`_category`) or None (routers, embedding, routed experts, params)."""
+    cat = _category(name)
+    if cat == "head":
+        return "head"
+    if cat in ("linears", "shared_experts") or (cat == "aux_linears" and "gate.weight" not in name):
+        return "dense"
+    return None
 
 
 def _category(name: str) -> str:

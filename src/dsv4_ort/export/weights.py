@@ -16,6 +16,12 @@ Weight modes (``--weights``):
   ``BFLOAT16`` (FP8/FP4 values times power-of-two scales are exact in bf16); small parameters keep their type;
 * ``fp32`` - every floating tensor ``FLOAT``.
 
+Requantisation (``--head`` / ``--dense``, default ``native``): fewer bytes per decoded token. The LM head and / or
+the dense projections (attention, compressor and indexer query/key projections and the shared experts; never the
+routers, the embedding or the routed experts) are quantised from their exact value to FP8 E4M3 with E8M0 128 x 128
+block scales (``fp8``, as the released linears) or FP4 E2M1 with E8M0 scales per 32 inputs (``fp4``, as the
+released experts); see :func:`requantize`. A weight already in the asked format is kept as it is.
+
 Small parameters (norm weights, mHC mixing tensors, sinks, ape, gate bias) are written ``FLOAT`` unless the op
 consuming them accepts ``BFLOAT16`` and they are stored bf16 (see :func:`param_dtype`); ``tid2eid`` keeps its
 integer type. float16 tensors (not used by DeepSeek, accepted anyway) become ``FLOAT``.
@@ -44,6 +50,7 @@ from .schema import element_type
 ALIGNMENT = 4096
 
 WEIGHT_MODES = ("native", "bf16", "fp32")
+REQUANT_FORMATS = ("native", "fp8", "fp4")
 
 
 _EXPERT_RE = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
@@ -212,6 +219,35 @@ def _convert_array(a, out_name: str, mode: str, keep_bf16_param: bool) -> Conver
         elem = TensorProto.FLOAT8E4M3FN if a.stored == "fp8" else TensorProto.UINT8
         return Converted(Piece(out_name, elem, tuple(a.data.shape), a.data), sc, a.stored, tuple(a.block))
     return dense({"bf16": "bf16", "fp32": "fp32"}.get(mode))
+
+
+def requantize(rt, conv: Converted, fmt: str) -> Converted:
+    """``conv`` (the converted 2-D / shared-expert matrix of ``rt``) quantised to ``fmt`` ("fp8" or "fp4") from
+    ``rt``'s exact value: FP8 E4M3 codes with E8M0 scales per 128 x 128 block, or packed FP4 E2M1 with E8M0 scales
+    per 32 inputs (``in`` must be a multiple of 32). Same rounding as the reference quantisers
+    (:func:`dsv4_ort.models.quant_np.quant_fp8_block` / :func:`~dsv4_ort.models.quant_np.quant_fp4`)."""
+    from dsv4_ort.models import quant_np as QN
+
+    if conv.fmt == fmt:
+        return conv
+    x = rt.dequantize() if isinstance(rt.data, np.ndarray) else rt.dequantize(None).float().numpy()
+    x = np.ascontiguousarray(x, np.float32)
+    if x.ndim != 2:
+        raise WeightFormatError(f"only 2-D weights can be requantised to {fmt}, got shape {list(x.shape)} | "
+                                f"tensor {rt.name!r} | file {rt.file!r}")
+    name, scale_name = conv.weight.name, scale_initializer_name(conv.weight.name)
+    if fmt == "fp8":
+        codes, e = QN.quant_fp8_block(x, QN.FP8_BLOCK)
+        return Converted(Piece(name, TensorProto.FLOAT8E4M3FN, codes.shape, codes),
+                         Piece(scale_name, TensorProto.UINT8, e.shape, e), "fp8", (QN.FP8_BLOCK, QN.FP8_BLOCK))
+    if fmt == "fp4":
+        if x.shape[1] % QN.FP4_BLOCK:
+            raise WeightFormatError(f"FP4 needs a multiple of {QN.FP4_BLOCK} input features, the weight has "
+                                    f"{x.shape[1]} | tensor {rt.name!r} | file {rt.file!r}")
+        packed, e = QN.quant_fp4(x, QN.FP4_BLOCK)
+        return Converted(Piece(name, TensorProto.UINT8, packed.shape, packed),
+                         Piece(scale_name, TensorProto.UINT8, e.shape, e), "fp4", (1, QN.FP4_BLOCK))
+    raise ValueError(f"requantize: format must be fp8 or fp4, got {fmt!r}")
 
 
 # ----------------------------------------------------------------------------------------------------- memory

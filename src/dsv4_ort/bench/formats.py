@@ -1,0 +1,147 @@
+"""Weight-format options side by side: quality against ``native`` and decode speed, in one run on one CPU.
+
+Each option is an export of the same preset weights (seed 0) with ``--head`` / ``--dense`` (see
+:func:`dsv4_ort.export.weights.requantize`). Quality is teacher-forced: both models read the same random token
+sequence one token at a time (decode steps, so every position's logits are compared) and we report the logit NMSE
+``sum((l - l_native)^2) / sum(l_native^2)`` over all steps and the top-1 agreement (fraction of steps whose argmax
+equals native's). Speed is decode tokens/s after a short prompt (median of repeats), with the bytes one decode
+step reads (the bench cost model, :func:`.e2e.decode_bytes`, uniform routing estimate).
+
+usage: dsv4-ort bench --formats [--out DIR] [--threads N]   (or python -m dsv4_ort.bench.formats)
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+# (head, dense) options measured, native first (the reference of the quality columns).
+OPTIONS = (("native", "native"), ("fp8", "native"), ("fp8", "fp8"), ("fp8", "fp4"), ("fp4", "fp4"))
+
+
+def export_option(preset: str, head: str, dense: str, max_seq_len: int, log) -> Path:
+    """The preset exported with one option into the bench cache (once); returns the model directory."""
+    import dsv4_ort
+    from dsv4_ort.export import export_model, schema
+    from dsv4_ort.runtime.cli import cache_dir
+    from dsv4_ort.runtime.session import ModelError, read_metadata
+
+    out = cache_dir() / "bench" / (f"{preset}-head{head}-dense{dense}-seed0-len{max_seq_len}-"
+                                   f"v{dsv4_ort.__version__}-ops{schema.TABLE_VERSION}")
+    if out.is_dir():
+        try:
+            read_metadata(out)
+            return out
+        except ModelError:  # damaged or from an older format: export again
+            shutil.rmtree(out)
+    log(f"  exporting {preset} with head={head} dense={dense}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    export_model(None, out, preset=preset, seed=0, max_seq_len=max_seq_len, logits="last", progress=False,
+                 head=head, dense=dense)
+    return out
+
+
+def teacher_forced_logits(sess, ids: np.ndarray) -> np.ndarray:
+    """float32 [len(ids), vocab]: the logits after each token, fed one at a time."""
+    state = sess.new_state(1)
+    return np.stack([sess.forward(ids[None, i:i + 1], state)[0, -1] for i in range(len(ids))])
+
+
+def quality(ref: np.ndarray, got: np.ndarray) -> dict:
+    """Logit NMSE and top-1 agreement of ``got`` against ``ref`` (both [steps, vocab])."""
+    ref64, got64 = ref.astype(np.float64), got.astype(np.float64)
+    nmse = float(((got64 - ref64) ** 2).sum() / max((ref64 ** 2).sum(), 1e-30))
+    top1 = float((got.argmax(-1) == ref.argmax(-1)).mean())
+    return {"nmse": nmse, "top1_agreement": top1, "steps": int(ref.shape[0])}
+
+
+def decode_speed(sess, prompt_len: int, steps: int, repeats: int) -> float:
+    """Median decode tokens/s of ``steps`` greedy steps after a ``prompt_len`` prompt."""
+    rng = np.random.default_rng(1)
+    rates = []
+    for _ in range(repeats):
+        state = sess.new_state(1)
+        logits = sess.forward(rng.integers(0, sess.vocab_size, (1, prompt_len)), state)
+        tok = np.array([[int(logits[0, -1].argmax())]])
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            tok = np.array([[int(sess.forward(tok, state)[0, -1].argmax())]])
+        rates.append(steps / (time.perf_counter() - t0))
+    return statistics.median(rates)
+
+
+def run(presets=("tiny", "bench"), *, tokens: int = 48, steps: int = 32, repeats: int = 3,
+        threads: int | None = None, log=None) -> dict:
+    """Measures every option of :data:`OPTIONS` on each preset; returns {"rows": [...], "machine": {...}}."""
+    from dsv4_ort.runtime import Session
+    from dsv4_ort.runtime.session import physical_cores
+
+    from . import e2e
+    from .machine import _cpuinfo
+
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    threads = int(threads or physical_cores())
+    rows = []
+    for preset in presets:
+        max_seq_len = 256
+        ids = np.random.default_rng(0).integers(0, 1 << 30, tokens)
+        ref = None
+        for head, dense in OPTIONS:
+            d = export_option(preset, head, dense, max_seq_len, log)
+            sess = Session(d, intra_op_threads=threads)
+            ids_p = ids % sess.vocab_size
+            logits = teacher_forced_logits(sess, ids_p)
+            if ref is None:
+                ref = logits
+            wc = e2e.weight_costs(e2e.inventory(d), sess.meta["config"])
+            mb = e2e.decode_bytes(sess.meta, wc, context=16, batch=1, unique_experts=None)["per_token"] / 1e6
+            row = {"preset": preset, "head": head, "dense": dense, **quality(ref, logits),
+                   "decode_tok_s": round(decode_speed(sess, 16, steps, repeats), 2), "mb_per_token": round(mb, 2),
+                   "isa": sess.isa, "threads": threads}
+            log(f"  {preset:6s} head={head:6s} dense={dense:6s} nmse={row['nmse']:.2e} "
+                f"top1={row['top1_agreement']:.3f} decode={row['decode_tok_s']} tok/s {row['mb_per_token']} MB/token")
+            rows.append(row)
+            del sess
+    return {"rows": rows, "machine": {"cpu": _cpuinfo()["model"], "threads": threads}}
+
+
+def markdown(result: dict) -> str:
+    lines = [f"CPU: {result['machine']['cpu']}, {result['machine']['threads']} threads; quality teacher-forced "
+             "against native on the same weights.", "",
+             "| preset | head | dense | logit NMSE | top-1 agreement | decode tok/s | MB read / token |",
+             "|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['preset']} | {r['head']} | {r['dense']} | {r['nmse']:.2e} | {r['top1_agreement']:.3f} | "
+                     f"{r['decode_tok_s']} | {r['mb_per_token']} |")
+    return "\n".join(lines) + "\n"
+
+
+def write(result: dict, out_dir) -> None:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "formats.json").write_text(json.dumps(result, indent=1))
+    (out / "formats.md").write_text(markdown(result))
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m dsv4_ort.bench.formats", description=__doc__.split("\n")[0])
+    p.add_argument("--presets", default="tiny,bench")
+    p.add_argument("--out", default="bench-results")
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+    result = run(tuple(args.presets.split(",")), threads=args.threads)
+    write(result, args.out)
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
