@@ -2,9 +2,9 @@
 //
 // ONNX Runtime calls it once per SessionOptions that registers the library. It initialises the C API at the
 // table's pinned version (21 = ONNX Runtime 1.21: older runtimes get a readable error instead of a crash), reads
-// DSV4_ORT_ISA to cap the ISA level, and adds the domain holding that level's ops. Domains and op objects are
-// created once per level and live until the process exits, since every session that used them must outlive
-// nothing they own.
+// DSV4_ORT_ISA to cap the ISA level and DSV4_ORT_KERNELS to force families to levels (kernel_tables.h, MakePlan),
+// and adds the domain holding that plan's ops. Domains and op objects are created once per distinct plan and live
+// until the process exits, since every session that used them must outlive nothing they own.
 #include <cstdlib>
 #include <memory>
 #include <mutex>
@@ -17,13 +17,14 @@
 namespace dsv4::glue {
 namespace {
 
-struct LevelDomain {
+struct PlanDomain {
+  FamilyPlan plan;
   OrtCustomOpDomain* domain = nullptr;
   std::vector<std::unique_ptr<TableOp>> ops;
 };
 
 std::mutex g_mutex;
-LevelDomain g_domains[kNumIsaLevels];
+std::vector<std::unique_ptr<PlanDomain>> g_domains;  // one per distinct plan (a few at most)
 
 std::string ValidIsaNames() {
   std::string s;
@@ -46,11 +47,20 @@ IsaLevel EffectiveIsa() {
 }
 
 OrtStatus* Register(OrtSessionOptions* options) {
-  const IsaLevel level = EffectiveIsa();
+  const char* forced = std::getenv("DSV4_ORT_KERNELS");
+  const FamilyPlan plan = MakePlan(EffectiveIsa(), forced != nullptr && *forced != '\0' ? forced : nullptr);
   std::lock_guard<std::mutex> lock(g_mutex);
-  LevelDomain& d = g_domains[static_cast<int>(level)];
+  PlanDomain* found = nullptr;
+  for (auto& d : g_domains)
+    if (d->plan == plan) found = d.get();
+  if (found == nullptr) {
+    g_domains.push_back(std::make_unique<PlanDomain>());
+    found = g_domains.back().get();
+    found->plan = plan;
+  }
+  PlanDomain& d = *found;
   if (d.domain == nullptr) {
-    std::vector<std::unique_ptr<TableOp>> ops = BuildTableOps(level);
+    std::vector<std::unique_ptr<TableOp>> ops = BuildTableOps(plan);
     OrtCustomOpDomain* domain = nullptr;
     if (OrtStatus* s = Api().CreateCustomOpDomain(optable::kDomain, &domain)) return s;
     for (auto& op : ops) {
@@ -81,8 +91,12 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
                       api_base->GetVersionString();
     return any != nullptr ? any->CreateStatus(ORT_FAIL, msg.c_str()) : nullptr;
   }
-  SetApi(api);
-  SetRuntimeVersion(api_base->GetVersionString());
+  // Once per process (one onnxruntime per process): kernels of earlier sessions may be reading the API pointer.
+  static std::once_flag api_once;
+  std::call_once(api_once, [&] {
+    SetApi(api);
+    SetRuntimeVersion(api_base->GetVersionString());
+  });
   try {
     return Register(options);
   } catch (const std::exception& e) {

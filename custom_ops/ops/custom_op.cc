@@ -4,9 +4,9 @@
 // every C++ exception into an OrtStatus.
 #include "ops/custom_op.h"
 
-#include <cstdio>
-
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <limits>
@@ -174,67 +174,116 @@ int InputIndex(const optable::OpSpec& spec, const std::string& name) {
   return -1;
 }
 
-// Evaluates one output's shape rule. `inputs[i]` holds input i's dims (empty optional for unknown rank).
-// Returns false when the shape cannot be determined (unknown ranks).
-template <class GetDims, class GetAttr>
-bool EvalShapeRule(const optable::OpSpec& spec, const char* rule, GetDims&& input_dims, GetAttr&& attr_int,
-                   std::vector<Dim>* out) {
-  if (rule == nullptr) return false;
+}  // namespace
+
+// Parses one output's shape rule (op_table.json "shape": tokens joined by ';'). Done once per op at registration
+// (BuildTableOps), so running an op never re-reads the text. A malformed rule is an internal error.
+std::vector<RuleToken> ParseShapeRule(const optable::OpSpec& spec, const char* rule) {
+  std::vector<RuleToken> tokens;
+  if (rule == nullptr) return tokens;
   std::string all = rule;
   std::istringstream is(all);
+  auto number = [&](const std::string& text) -> int64_t {
+    size_t used = 0;
+    int64_t v = 0;
+    try {
+      v = std::stoll(text, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != text.size()) Fail("internal error: bad number '", text, "' in shape rule '", rule, "'");
+    return v;
+  };
   for (std::string tok; std::getline(is, tok, ';');) {
     if (tok.empty()) continue;
+    RuleToken t;
     if (tok[0] == '@') {
-      int64_t v = 0;
-      if (!attr_int(tok.substr(1), &v)) return false;
-      out->push_back({v, ""});
+      t.kind = RuleToken::kAttr;
+      for (int a = 0; a < spec.num_attrs; ++a)
+        if (tok.substr(1) == spec.attrs[a].name && spec.attrs[a].kind == optable::AttrKind::kInt) t.attr = a;
+      if (t.attr < 0) Fail("internal error: shape rule '", rule, "' names no int attribute '", tok.substr(1), "'");
+      tokens.push_back(t);
       continue;
     }
     const size_t lb = tok.find('[');
     if (lb == std::string::npos) {
-      out->push_back({std::stoll(tok), ""});
+      t.kind = RuleToken::kLiteral;
+      t.begin = number(tok);
+      tokens.push_back(t);
       continue;
     }
-    const int idx = InputIndex(spec, tok.substr(0, lb));
-    const std::vector<Dim>* dims = idx >= 0 ? input_dims(idx) : nullptr;
-    if (dims == nullptr) return false;
-    const int rank = static_cast<int>(dims->size());
+    t.input = InputIndex(spec, tok.substr(0, lb));
+    if (t.input < 0 || tok.back() != ']') Fail("internal error: shape rule '", rule, "' has a bad token '", tok, "'");
     const std::string inside = tok.substr(lb + 1, tok.size() - lb - 2);
     const size_t colon = inside.find(':');
-    auto norm = [rank](long long i) { return static_cast<int>(i < 0 ? i + rank : i); };
     if (colon == std::string::npos) {
-      const int i = norm(std::stoll(inside));
-      if (i < 0 || i >= rank) return false;
-      out->push_back((*dims)[i]);
+      t.kind = RuleToken::kDim;
+      t.begin = number(inside);
     } else {
+      t.kind = RuleToken::kSlice;
       const std::string a = inside.substr(0, colon), b = inside.substr(colon + 1);
-      const int begin = a.empty() ? 0 : norm(std::stoll(a));
-      const int end = b.empty() ? rank : norm(std::stoll(b));
-      for (int i = std::max(begin, 0); i < std::min(end, rank); ++i) out->push_back((*dims)[i]);
+      t.has_begin = !a.empty();
+      t.has_end = !b.empty();
+      if (t.has_begin) t.begin = number(a);
+      if (t.has_end) t.end = number(b);
+    }
+    tokens.push_back(t);
+  }
+  return tokens;
+}
+
+namespace {
+
+// Evaluates one output's parsed shape rule. `input_dims(i)` gives input i's dims (nullptr: absent or unknown
+// rank), `attr_int(index, &v)` the value of the op's attribute `index`. Returns false when the shape cannot be
+// determined (unknown ranks, an index outside the rank).
+template <class GetDims, class GetAttr>
+bool EvalShapeRule(const std::vector<RuleToken>& rule, GetDims&& input_dims, GetAttr&& attr_int,
+                   std::vector<Dim>* out) {
+  for (const RuleToken& t : rule) {
+    if (t.kind == RuleToken::kAttr) {
+      int64_t v = 0;
+      if (!attr_int(t.attr, &v)) return false;
+      out->push_back({v, ""});
+      continue;
+    }
+    if (t.kind == RuleToken::kLiteral) {
+      out->push_back({t.begin, ""});
+      continue;
+    }
+    const std::vector<Dim>* dims = input_dims(t.input);
+    if (dims == nullptr) return false;
+    const int64_t rank = static_cast<int64_t>(dims->size());
+    auto norm = [rank](int64_t i) { return i < 0 ? i + rank : i; };
+    if (t.kind == RuleToken::kDim) {
+      const int64_t i = norm(t.begin);
+      if (i < 0 || i >= rank) return false;
+      out->push_back((*dims)[static_cast<size_t>(i)]);
+    } else {
+      const int64_t begin = t.has_begin ? norm(t.begin) : 0, end = t.has_end ? norm(t.end) : rank;
+      for (int64_t i = std::max<int64_t>(begin, 0); i < std::min(end, rank); ++i)
+        out->push_back((*dims)[static_cast<size_t>(i)]);
     }
   }
   return true;
 }
 
 // An output's shape by its rule for the concrete shapes of `inputs` and the node's attributes (defaults applied).
-std::vector<int64_t> RuleShape(const optable::OpSpec& spec, int index, const std::vector<InputView>& inputs,
+std::vector<int64_t> RuleShape(const TableOp& op, int index, const std::vector<InputView>& inputs,
                                const Attributes& attrs) {
+  const optable::OpSpec& spec = *op.spec;
+  if (index < 0 || index >= spec.num_outputs) Fail("internal error: output index ", index, " out of range");
   std::vector<std::vector<Dim>> dims(inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i)
     for (int64_t d : inputs[i].shape) dims[i].push_back({d, ""});
   auto input_dims = [&](int i) -> const std::vector<Dim>* { return inputs[i].present ? &dims[i] : nullptr; };
-  auto attr_int = [&](const std::string& name, int64_t* v) {
-    for (int a = 0; a < spec.num_attrs; ++a) {
-      if (name == spec.attrs[a].name && spec.attrs[a].kind == optable::AttrKind::kInt) {
-        *v = attrs.Int(spec.attrs[a].name);
-        return true;
-      }
-    }
-    return false;
+  auto attr_int = [&](int a, int64_t* v) {
+    *v = attrs.Int(spec.attrs[a].name);
+    return true;
   };
   const optable::IoSpec& io = spec.outputs[index];
   std::vector<Dim> out;
-  if (!EvalShapeRule(spec, io.shape, input_dims, attr_int, &out)) {
+  if (io.shape == nullptr || !EvalShapeRule(op.output_rules[index], input_dims, attr_int, &out)) {
     Fail("internal error: the shape rule of output '", io.name, "' (", io.shape ? io.shape : "none",
          ") cannot be evaluated for these inputs");
   }
@@ -330,7 +379,7 @@ OrtStatus* ORT_API_CALL CreateKernelV2(const OrtCustomOp* op, const OrtApi*, con
     state->op = &t;
     state->attrs = ReadAttributes(*t.spec, info);
     OrtConstantInputs constants(t, info);
-    KernelInit init{t.spec, &state->attrs, t.isa, &GetKernelTables(t.isa), &constants};
+    KernelInit init{t.spec, &state->attrs, t.isa, t.tables, &constants};
     state->kernel = t.factory(init);
     *kernel = state.release();
     return nullptr;
@@ -427,7 +476,7 @@ class OrtComputeContext final : public ComputeContext {
  private:
   // Output `index` allocated with its rule's shape, which must hold the `numel` elements the kernel writes.
   OrtValue* GetOutput(int index, int64_t numel) {
-    const std::vector<int64_t> shape = RuleShape(*op_.spec, index, inputs_, attrs_);
+    const std::vector<int64_t> shape = RuleShape(op_, index, inputs_, attrs_);
     const int64_t rule_numel = ShapeProduct(shape, "the element count");
     if (rule_numel != numel) {
       Fail("internal error: output '", op_.spec->outputs[index].name, "' has shape ", ShapeString(shape),
@@ -497,6 +546,8 @@ OrtStatus* ORT_API_CALL InferOutputShape(const OrtCustomOp* op, OrtShapeInferCon
       if (info == nullptr) continue;
       ONNXTensorElementDataType type;
       Check(Api().GetTensorElementType(info, &type));
+      // how some releases describe an absent optional input (the info belongs to the context: never released)
+      if (type == ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED) continue;
       types[i] = type;
       size_t rank = 0;
       Check(Api().GetDimensionsCount(info, &rank));
@@ -508,18 +559,14 @@ OrtStatus* ORT_API_CALL InferOutputShape(const OrtCustomOp* op, OrtShapeInferCon
       known[i] = true;
     }
     auto input_dims = [&](int i) -> const std::vector<Dim>* { return known[i] ? &dims[i] : nullptr; };
-    auto attr_int = [&](const std::string& name, int64_t* v) {
+    auto attr_int = [&](int a, int64_t* v) {
       const OrtOpAttr* attr = nullptr;
-      OrtStatus* s = Api().ShapeInferContext_GetAttribute(ctx, name.c_str(), &attr);
+      OrtStatus* s = Api().ShapeInferContext_GetAttribute(ctx, spec.attrs[a].name, &attr);
       if (s != nullptr) Api().ReleaseStatus(s);
       if (s != nullptr || attr == nullptr) {
-        for (int a = 0; a < spec.num_attrs; ++a) {
-          if (name == spec.attrs[a].name && !spec.attrs[a].required) {
-            *v = spec.attrs[a].int_default;
-            return true;
-          }
-        }
-        return false;
+        if (spec.attrs[a].required) return false;
+        *v = spec.attrs[a].int_default;
+        return true;
       }
       size_t size = 0;
       Check(Api().ReadOpAttr(attr, ORT_OP_ATTR_INT, v, sizeof(*v), &size));
@@ -538,7 +585,7 @@ OrtStatus* ORT_API_CALL InferOutputShape(const OrtCustomOp* op, OrtShapeInferCon
       OrtTensorTypeAndShapeInfo* info = nullptr;
       Check(Api().CreateTensorTypeAndShapeInfo(&info));
       OrtStatus* s = Api().SetTensorElementType(info, static_cast<ONNXTensorElementDataType>(type));
-      if (s == nullptr && EvalShapeRule(spec, io.shape, input_dims, attr_int, &out)) {
+      if (s == nullptr && io.shape != nullptr && EvalShapeRule(t.output_rules[o], input_dims, attr_int, &out)) {
         std::vector<int64_t> values;
         std::vector<const char*> symbols;
         for (const Dim& d : out) {
@@ -586,7 +633,8 @@ void SetRuntimeVersion(const char* version) {
 }
 bool RuntimeInfersCustomShapes() { return g_infers_custom_shapes; }
 
-std::vector<std::unique_ptr<TableOp>> BuildTableOps(IsaLevel isa) {
+std::vector<std::unique_ptr<TableOp>> BuildTableOps(const FamilyPlan& plan) {
+  const KernelTables* tables = &GetKernelTables(plan);
   std::vector<std::unique_ptr<TableOp>> ops;
   for (int k = 0; k < optable::kNumOps; ++k) {
     const optable::OpSpec& spec = optable::kOps[k];
@@ -624,7 +672,9 @@ std::vector<std::unique_ptr<TableOp>> BuildTableOps(IsaLevel isa) {
       c.GetEndVersion = &GetEndVersion;
       op->spec = &spec;
       op->type_assignment = assignment;
-      op->isa = isa;
+      op->isa = plan.cap;
+      op->tables = tables;
+      for (int o = 0; o < spec.num_outputs; ++o) op->output_rules.push_back(ParseShapeRule(spec, spec.outputs[o].shape));
       op->factory = reg->factory;
       ops.push_back(std::move(op));
     }
@@ -639,7 +689,8 @@ const char* DTypeName(int dtype) {
 
 size_t ElementBytes(int dtype) {
   const optable::ElementType* t = FindElementType(dtype);
-  return t != nullptr ? static_cast<size_t>(t->bytes) : 0;
+  if (t == nullptr || t->bytes == 0) Fail("internal error: element type ", DTypeName(dtype), " has no fixed size");
+  return static_cast<size_t>(t->bytes);
 }
 
 std::string ShapeString(const std::vector<int64_t>& shape) {

@@ -100,8 +100,8 @@ class ConstantInputs {
 struct KernelInit {
   const optable::OpSpec* spec;
   const Attributes* attrs;
-  IsaLevel isa;                     // the session's effective ISA level
-  const KernelTables* tables;       // dispatch tables for that level
+  IsaLevel isa;                     // the session's ISA cap
+  const KernelTables* tables;       // dispatch tables of the session's plan (a level per family)
   const ConstantInputs* constants;  // valid during the kernel's constructor only
 };
 

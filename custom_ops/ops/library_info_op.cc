@@ -50,7 +50,12 @@ class LibraryInfoKernel final : public Kernel {
     for (size_t i = 0; i < families.size(); ++i) {
       js << (i ? ", " : "") << '"' << families[i].family << "\": \"" << IsaName(families[i].level) << '"';
     }
-    js << "}}";
+    js << "}, \"family_source\": {";
+    for (size_t i = 0; i < families.size(); ++i) {
+      js << (i ? ", " : "") << '"' << families[i].family << "\": \"" << LevelSourceName(families[i].source) << '"';
+    }
+    js << "}, \"cpu\": {\"vendor\": \"" << f.vendor << "\", \"family\": " << f.family << ", \"model\": " << f.model
+       << "}}";
     ctx.OutputStrings(0, {js.str()});
   }
 

@@ -35,9 +35,18 @@ inline bool Bit(uint32_t v, int i) { return (v >> i) & 1u; }
 CpuFeatures Probe() {
   CpuFeatures f;
 #if DSV4_X86
-  const uint32_t max_leaf = Cpuid(0, 0).a;
-  if (max_leaf < 7) return f;
+  const Regs l0 = Cpuid(0, 0);
+  std::memcpy(f.vendor, &l0.b, 4);
+  std::memcpy(f.vendor + 4, &l0.d, 4);
+  std::memcpy(f.vendor + 8, &l0.c, 4);
+  const uint32_t max_leaf = l0.a;
+  if (max_leaf < 1) return f;
   const Regs l1 = Cpuid(1, 0);
+  const int base_family = (l1.a >> 8) & 0xf, base_model = (l1.a >> 4) & 0xf;
+  f.family = base_family == 0xf ? base_family + static_cast<int>((l1.a >> 20) & 0xff) : base_family;
+  f.model = (base_family == 0x6 || base_family == 0xf) ? (static_cast<int>((l1.a >> 16) & 0xf) << 4) | base_model
+                                                       : base_model;
+  if (max_leaf < 7) return f;
   const Regs l7 = Cpuid(7, 0);
   const Regs l7_1 = Cpuid(7, 1);
   const bool osxsave = Bit(l1.c, 27);
@@ -70,6 +79,8 @@ const CpuFeatures& GetCpuFeatures() {
   static const CpuFeatures features = Probe();
   return features;
 }
+
+bool IsAmd(const CpuFeatures& f) { return std::strcmp(f.vendor, "AuthenticAMD") == 0; }
 
 IsaLevel MaxSupportedIsa() {
   const CpuFeatures& f = GetCpuFeatures();

@@ -17,7 +17,14 @@ struct CpuFeatures {
   bool os_avx512 = false;  // XCR0: opmask + zmm state saved
   bool os_amx = false;     // XCR0: tile config + tile data saved
   bool amx_permitted = false;  // arch_prctl granted XTILEDATA (Linux)
+  // CPUID leaf 0 vendor ("GenuineIntel", "AuthenticAMD", ...; empty off x86) and leaf 1 display family / model
+  // (base + extended fields, as the vendors document them: Zen 4 is family 0x19, Sapphire Rapids family 6 model
+  // 0x8f). The dispatcher's per-CPU policy (kernel_tables.cc) reads them.
+  char vendor[13] = {};
+  int family = 0, model = 0;
 };
+
+bool IsAmd(const CpuFeatures& f);
 
 // Ordered levels: each includes everything below it.
 //   kAvx2   : AVX2 + FMA + F16C

@@ -1,10 +1,14 @@
-// Dispatch: one table of kernels per op family and ISA level, chosen once.
+// Dispatch: one table of kernels per op family, chosen once per plan.
 //
 // Every family has a scalar reference table (the spec) and optional AVX2 / AVX512 / AMX tables, each complete (an
-// ISA file points the slots it does not accelerate at the reference). For a given effective level the family
-// uses the highest table at or below it. Tables are constant data; picking them runs no ISA code.
+// ISA file points the slots it does not accelerate at the reference). A plan (MakePlan) gives each family a level:
+// the session's cap (min(CPU maximum, DSV4_ORT_ISA)), lowered where the CPU policy knows a lower variant is faster
+// on this CPU, or forced per family (DSV4_ORT_KERNELS). The family uses its highest table at or below that level.
+// Tables are constant data; picking them runs no ISA code.
 #pragma once
 
+#include <array>
+#include <string>
 #include <vector>
 
 #include "platform/cpu_features.h"
@@ -31,22 +35,55 @@ struct MoeExpertsKernels;
   X(linear, LinearKernels, "linear")                           \
   X(moe_experts, MoeExpertsKernels, "moe_experts")
 
+#define DSV4_COUNT_FAMILY(member, Type, name) +1
+constexpr int kNumFamilies = 0 DSV4_KERNEL_FAMILIES(DSV4_COUNT_FAMILY);
+#undef DSV4_COUNT_FAMILY
+
+// Family names in DSV4_KERNEL_FAMILIES order (the index of a family in a FamilyPlan).
+extern const char* const kFamilyNames[kNumFamilies];
+
+// Why a family runs at its level.
+enum class LevelSource : int {
+  kCap = 0,     // the session's cap (or the best variant below it)
+  kCpu = 1,     // the CPU policy: a lower variant measured faster on this CPU model
+  kForced = 2,  // DSV4_ORT_KERNELS
+};
+const char* LevelSourceName(LevelSource source);  // "cap", "cpu", "forced"
+
+struct FamilyPlan {
+  IsaLevel cap = IsaLevel::kScalar;
+  std::array<IsaLevel, kNumFamilies> level{};
+  std::array<LevelSource, kNumFamilies> source{};
+  bool operator==(const FamilyPlan& o) const { return cap == o.cap && level == o.level && source == o.source; }
+};
+
+// The plan for `cap` (already clamped to MaxSupportedIsa()) on this CPU. `forced` is DSV4_ORT_KERNELS or nullptr:
+// comma-separated `family=level` entries (e.g. "linear=avx2,indexer=scalar"); a forced level above the cap is
+// clamped to the cap (the cap stays the ceiling). Throws std::invalid_argument naming a malformed entry, an unknown
+// family or level.
+FamilyPlan MakePlan(IsaLevel cap, const char* forced);
+
+// The levels the CPU policy lowers under `cap` on the CPU `f` (kCap entries where it has nothing to say).
+std::array<IsaLevel, kNumFamilies> CpuPolicy(IsaLevel cap, const CpuFeatures& f);
+
 struct KernelTables {
-  IsaLevel level = IsaLevel::kScalar;
+  IsaLevel level = IsaLevel::kScalar;  // the plan's cap
 #define DSV4_TABLE_MEMBER(member, Type, name) \
   const Type* member = nullptr;               \
-  IsaLevel member##_level = IsaLevel::kScalar;
+  IsaLevel member##_level = IsaLevel::kScalar; \
+  LevelSource member##_source = LevelSource::kCap;
   DSV4_KERNEL_FAMILIES(DSV4_TABLE_MEMBER)
 #undef DSV4_TABLE_MEMBER
 };
 
-// Tables for `level`, which is clamped to MaxSupportedIsa(). Built once per level; the reference is returned
-// for families without a variant at or below the level.
-const KernelTables& GetKernelTables(IsaLevel level);
+// Tables for a plan. Built once per distinct plan (thread-safe; they live until the process exits); the
+// reference is used for families without a variant at or below their level.
+const KernelTables& GetKernelTables(const FamilyPlan& plan);
 
 struct FamilyLevel {
   const char* family;
-  IsaLevel level;
+  IsaLevel level;       // the table actually used
+  LevelSource source;
 };
 std::vector<FamilyLevel> DescribeFamilies(const KernelTables& tables);
 

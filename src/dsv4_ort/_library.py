@@ -58,10 +58,12 @@ def register(session_options) -> None:
     session_options.register_custom_ops_library(get_library_path())
 
 
-def library_info(isa: str | None = None) -> dict:
-    """What the library reports about itself in a session: op table, CPU features, ISA level per kernel family.
+def library_info(isa: str | None = None, kernels: str | None = None) -> dict:
+    """What the library reports about itself in a session: op table, CPU (vendor, family, model, features), the
+    ISA level of each kernel family and why (``family_source``: ``cap``, ``cpu`` policy or ``forced``).
 
-    ``isa`` caps the level like ``DSV4_ORT_ISA`` (it is read when the library is registered).
+    ``isa`` caps the level like ``DSV4_ORT_ISA``, ``kernels`` forces families like ``DSV4_ORT_KERNELS`` (both are
+    read when the library is registered).
     """
     import numpy as np
     import onnxruntime as ort
@@ -75,10 +77,17 @@ def library_info(isa: str | None = None) -> dict:
                               [helper.make_tensor_value_info("info", TensorProto.STRING, [1])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(schema.DOMAIN, 1)],
                               ir_version=8).SerializeToString()
-    with isa_cap(isa):
+    with isa_cap(isa, kernels):
         so = ort.SessionOptions()
-        register(so)
-        sess = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+        so.log_severity_level = 4
+        try:  # onnxruntime calls the library's RegisterCustomOps here, which reads the two variables
+            register(so)
+            sess = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+        except Exception as e:  # the library refused DSV4_ORT_ISA / DSV4_ORT_KERNELS: say which, as a ValueError
+            text = str(e)
+            if "dsv4_ort: DSV4_ORT_" in text:
+                raise ValueError(text[text.index("dsv4_ort: ") + len("dsv4_ort: "):].strip()) from None
+            raise
     (out,) = sess.run(None, {"unused": np.zeros(1, np.int64)})
     info = json.loads(str(out[0]))
     info["library_path"] = get_library_path()
@@ -87,22 +96,24 @@ def library_info(isa: str | None = None) -> dict:
 
 
 class isa_cap:
-    """Context manager setting DSV4_ORT_ISA while sessions register the library (None leaves it untouched)."""
+    """Context manager setting DSV4_ORT_ISA (``isa``) and DSV4_ORT_KERNELS (``kernels``, per-family levels such
+    as ``"linear=avx2,indexer=scalar"``) while sessions register the library; None leaves a variable untouched."""
 
-    def __init__(self, isa: str | None):
-        self.isa = isa
-        self.saved = None
+    def __init__(self, isa: str | None, kernels: str | None = None):
+        self.values = {"DSV4_ORT_ISA": isa, "DSV4_ORT_KERNELS": kernels}
+        self.saved = {}
 
     def __enter__(self):
-        if self.isa is not None:
-            self.saved = os.environ.get("DSV4_ORT_ISA")
-            os.environ["DSV4_ORT_ISA"] = self.isa
+        for name, value in self.values.items():
+            if value is not None:
+                self.saved[name] = os.environ.get(name)
+                os.environ[name] = value
         return self
 
     def __exit__(self, *exc):
-        if self.isa is not None:
-            if self.saved is None:
-                os.environ.pop("DSV4_ORT_ISA", None)
+        for name, old in self.saved.items():
+            if old is None:
+                os.environ.pop(name, None)
             else:
-                os.environ["DSV4_ORT_ISA"] = self.saved
+                os.environ[name] = old
         return False

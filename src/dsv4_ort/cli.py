@@ -33,9 +33,13 @@ def _cmd_info(args) -> int:
     print(f"onnxruntime:   {info['onnxruntime_version']} (library needs API >= {info['ort_api_version']})")
     print(f"op domain:     {info['domain']} (op table v{info['op_table_version']}, {info['num_ops']} ops)")
     print(f"cpu features:  {' '.join(feats) or 'baseline x86-64 only'}")
-    print(f"isa:           {info['isa']} (cpu maximum {info['isa_max']}; DSV4_ORT_ISA caps it)")
+    cpu = info["cpu"]
+    print(f"cpu:           {cpu['vendor'] or 'unknown'} family {cpu['family']:#x} model {cpu['model']:#x}")
+    print(f"isa:           {info['isa']} (cpu maximum {info['isa_max']}; DSV4_ORT_ISA caps it, DSV4_ORT_KERNELS "
+          "forces families)")
+    why = {"cap": "", "cpu": "  (faster on this CPU)", "forced": "  (DSV4_ORT_KERNELS)"}
     for fam, level in info["families"].items():
-        print(f"  {fam:<18} {level}")
+        print(f"  {fam:<18} {level}{why[info['family_source'][fam]]}")
     return 0
 
 

@@ -36,6 +36,19 @@ def test_prefill_decode_and_chunks_match_reference(tiny, cache, level):
     assert rel_err(sess.forward(ids, sess.new_state(1), chunk_size=7), ref) < REL_TOL
 
 
+@pytest.mark.parametrize("kernels", ["linear=scalar,moe_experts=avx2", "indexer=scalar,sparse_attention=avx2,"
+                                     "compressor=scalar"])
+def test_mixed_family_levels_match_reference(tiny, cache, kernels):
+    """Families at different levels in one session (DSV4_ORT_KERNELS / Session(kernels=)) still match."""
+    sess = Session(tiny.parent, intra_op_threads=2, kernels=kernels)
+    for entry in kernels.split(","):
+        fam, level = entry.split("=")
+        order = ["scalar", "avx2", "avx512", "amx"]
+        assert sess.families[fam] == order[min(order.index(level), order.index(sess.isa))]
+    ids = random_ids(sess.vocab_size, (1, 40), seed=61)
+    assert rel_err(sess.forward(ids, sess.new_state(1)), reference_logits(cache.reference(("tiny",)), ids)) < REL_TOL
+
+
 GENERATE = """
 import sys
 from dsv4_ort.runtime import Session

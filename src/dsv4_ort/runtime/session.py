@@ -218,6 +218,8 @@ class Session:
         model_dir: directory written by ``dsv4-ort export`` (model.onnx, model.onnx.data, dsv4_ort.json).
         intra_op_threads: onnxruntime intra-op threads (default: physical cores).
         isa: cap the kernels' ISA level ("scalar", "avx2", "avx512", "amx"); default: the best the CPU has.
+        kernels: force kernel families to levels, like DSV4_ORT_KERNELS ("linear=avx2,indexer=scalar"; capped by
+            ``isa``); default: the library's plan for this CPU (see ``families`` / ``family_source``).
         prefill_chunk: split prompts longer than this into chunks (default: no split).
 
     ``tokenizer.json`` (when the model directory has one and the ``tokenizers`` package is installed) is read on
@@ -228,7 +230,7 @@ class Session:
     MAX_THREADS = 1024
 
     def __init__(self, model_dir: str | os.PathLike, *, intra_op_threads: int | None = None, isa: str | None = None,
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, kernels: str | None = None):
         import onnxruntime as ort
 
         import dsv4_ort
@@ -236,7 +238,9 @@ class Session:
 
         self.model_dir = Path(model_dir)
         self.meta = read_metadata(model_dir)
-        info = dsv4_ort.library_info(isa)
+        if kernels is not None and not isinstance(kernels, str):
+            raise TypeError(f"kernels must be a str like 'linear=avx2,indexer=scalar', got {type(kernels).__name__}")
+        info = dsv4_ort.library_info(isa, kernels)
         if self.meta.get("domain") != info["domain"]:
             raise ModelError(f"model uses op domain {self.meta.get('domain')!r}; this library implements "
                              f"{info['domain']!r}")
@@ -249,6 +253,7 @@ class Session:
                              f"(v{schema.TABLE_VERSION}); reinstall dsv4-ort")
         _check_node_attributes(self.model_dir / MODEL_FILE, info["domain"])
         self.isa = info["isa"]
+        self.families = dict(info["families"])  # family -> ISA level its kernels run at in this session
         self.config = self.meta["config"]
         self.vocab_size = int(self.config["vocab_size"])
         self.max_seq_len = int(self.meta["max_seq_len"])
@@ -265,7 +270,7 @@ class Session:
         # Fatal only: every error reaches the caller as an exception with the same text, so onnxruntime's own log lines
         # would only repeat it (and break the one-line error of the command line).
         so.log_severity_level = 4
-        with dsv4_ort.isa_cap(isa):
+        with dsv4_ort.isa_cap(isa, kernels):
             dsv4_ort.register(so)
             try:
                 self.session = ort.InferenceSession(str(self.model_dir / MODEL_FILE), so,

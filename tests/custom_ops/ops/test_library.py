@@ -52,6 +52,36 @@ def test_families_use_their_best_variant():
         assert info["families"]["hyper_connection"] == "avx512"
 
 
+def test_family_levels_say_why():
+    """A family below the session's level is there by the CPU policy or by DSV4_ORT_KERNELS, and says so."""
+    info = library_info()
+    order = dsv4_ort.ISA_LEVELS
+    assert set(info["family_source"]) == set(info["families"])
+    assert info["cpu"]["vendor"] and info["cpu"]["family"] > 0
+    for fam, level in info["families"].items():
+        if info["family_source"][fam] == "cap":
+            # the best variant at or below the cap (families without one at the cap fall back)
+            assert order.index(level) <= order.index(info["isa"]), fam
+        else:
+            assert info["family_source"][fam] in ("cpu", "forced"), fam
+
+
+def test_forced_family_levels():
+    top = library_info()["isa"]
+    info = dsv4_ort.library_info(kernels="linear=scalar, indexer=amx")
+    assert info["families"]["linear"] == "scalar" and info["family_source"]["linear"] == "forced"
+    order = dsv4_ort.ISA_LEVELS
+    assert order.index(info["families"]["indexer"]) <= order.index(top)  # clamped to the cap
+    assert info["family_source"]["indexer"] == "forced"
+    capped = dsv4_ort.library_info("scalar", kernels="linear=avx512")
+    assert capped["families"]["linear"] == "scalar"  # DSV4_ORT_ISA stays the ceiling
+    for bad, needle in (("linear", "not family=level"), ("lineer=avx2", "unknown kernel family 'lineer'"),
+                        ("linear=avx3", "'avx3' (for linear) is not an ISA level")):
+        with pytest.raises(ValueError, match="DSV4_ORT_KERNELS") as e:
+            dsv4_ort.library_info(kernels=bad)
+        assert needle in str(e.value)
+
+
 def test_invalid_isa_value_lists_valid_ones():
     with pytest.raises(Exception) as e:
         dsv4_ort.library_info("sse9")
