@@ -55,6 +55,13 @@ def test_results_schema(smoke_run):
     assert {r["kind"] for r in runs} == {"prefill", "decode"}
     acc = results["e2e"]["accounting"]
     assert acc and acc[0]["bytes"]["total"] > 0 and acc[0]["roofline_tokens_per_s"] > 0
+    # the step's time outside the kernels (profiler) and thread scaling from one thread up
+    o = results["e2e"]["overhead"]
+    assert o["kernels_us"] > 0 and o["step_wall_us"] > 0 and 0 <= o["in_run_overhead_fraction"] < 1
+    assert o["ops_us"] and "SparseAttention" in o["ops_us"]
+    scaling = results["e2e"]["scaling"]
+    assert scaling[0]["threads"] == 1 and scaling[0]["decode_efficiency"] == 1.0
+    assert all(r["decode_tokens_per_s"] > 0 and r["prefill_tokens_per_s"] > 0 for r in scaling)
 
 
 def test_summary_and_readme_render(smoke_run, tmp_path):

@@ -266,19 +266,19 @@ class OursRunner:
         import onnxruntime as ort
 
         B, S = ids.shape
-        io = self.sess.session.io_binding()
-        io.bind_ortvalue_input("input_ids", ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(ids, np.int64)))
-        io.bind_ortvalue_input("start_pos", ort.OrtValue.ortvalue_from_numpy(state.positions.copy()))
-        for in_name, out_name, _, value in state.tensors:
-            io.bind_ortvalue_input(in_name, value)
-            io.bind_ortvalue_output(out_name, value)
+        if state.owner is not self.sess.session:  # state tensors and start_pos bound once, as Session does
+            state.bind(self.sess.session)
+        io = state.binding
+        ids_value = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(ids, np.int64))
         logits = np.empty((B, S if self.sess.logits_mode == "all" else 1, self.sess.vocab_size), np.float32)
+        state._run_buffers = (ids, ids_value, logits)  # alive for the run on every onnxruntime
+        io.bind_ortvalue_input("input_ids", ids_value)
         io.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
         for name in self.route_names:
             io.bind_output(name, "cpu")
         self.sess.session.run_with_iobinding(io)
         outs = io.get_outputs()
-        k = len(state.tensors) + 1
+        k = len(state.tensors) + 1  # outputs in binding order: state tensors, logits, then the routes
         self.routes = {int(n.split(".")[1]): o.numpy() for n, o in zip(self.route_names, outs[k:])}
         state.positions += S
         return logits

@@ -285,6 +285,11 @@ def e2e_md(results: dict) -> list:
                      f"{b['dense_weights'] / 1e6:.0f} MB, routed experts {b['routed_experts'] / 1e6:.0f} MB "
                      f"({b['experts_source']}), embedding rows {b['embedding_rows'] / 1e3:.0f} kB, state "
                      f"{b['state'] / 1e6:.1f} MB; roofline = batch x {a.get('bandwidth_gbs') or 0:.1f} GB/s / bytes.")
+    from .overhead import markdown as overhead_md
+
+    more = overhead_md(e.get("overhead"), e.get("scaling"))
+    if more:
+        lines += [""] + more
     notes = [f"{r['impl']}: {r['skipped']}" for r in runs if r.get("skipped")]
     if notes:
         lines += ["", "Skipped: " + "; ".join(sorted(set(notes)))]

@@ -259,6 +259,18 @@ def _run_e2e(s, threads, caps, families, limits, wanted, e2e_isa, model_dir, log
                                       settings=settings, limits=limits, deadline=ours_deadline, log=log)
             out["runs"] += recs
             out["accounting"] += acc
+        # the step's time outside the kernels, and thread scaling (1 .. threads), at the top level
+        from . import overhead
+
+        if time.monotonic() < ours_deadline + 0.1 * s["e2e_budget_s"]:
+            ctx0 = settings["contexts"][0] if settings["contexts"] else 16
+            log("  per-step overhead (onnxruntime profiler) and thread scaling")
+            out["overhead"] = overhead.step_overhead(mdir, threads=threads, isa=want_caps[-1], context=ctx0,
+                                                     steps=s.get("overhead_steps", 16))
+            counts = sorted({1, threads})
+            out["scaling"] = overhead.thread_scaling(mdir, thread_counts=counts, isa=want_caps[-1], context=ctx0,
+                                                     prefill_tokens=min(settings["prefill_tokens"] or [16]),
+                                                     steps=s.get("overhead_steps", 16) // 2)
         # baselines
         from dsv4_ort.models import DeepseekV4Config
 
