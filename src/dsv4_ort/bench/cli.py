@@ -105,7 +105,8 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=True,
                    help="run the kernel benchmarks (default: yes)")
     p.add_argument("--baselines", type=_levels, default=None, metavar="LIST",
-                   help="baselines to include: torch, ort, hf (default: all that are installed; 'none' for none)")
+                   help="baselines to include: torch, ort, hf, llama (default: all that are installed; llama.cpp "
+                        "when found, see dsv4_ort.bench.llamacpp; 'none' for none)")
     p.add_argument("--e2e-isa", type=_levels, default=None, metavar="LEVELS",
                    help="ISA caps for the end-to-end runs (default: the highest)")
     p.add_argument("--model-dir", default=None, metavar="DIR",
@@ -155,9 +156,9 @@ def cmd_bench(args) -> int:
     baselines = None
     if args.baselines is not None:
         baselines = [] if args.baselines == ["none"] else args.baselines
-        bad = [b for b in baselines if b not in ("torch", "ort", "hf")]
+        bad = [b for b in baselines if b not in ("torch", "ort", "hf", "llama")]
         if bad:
-            raise ValueError(f"--baselines: unknown baseline(s) {bad}; valid: torch, ort, hf, none")
+            raise ValueError(f"--baselines: unknown baseline(s) {bad}; valid: torch, ort, hf, llama, none")
     overrides = {"decode_ms": args.decode_m, "prefill_ms": args.prefill_m, "e2e_contexts": args.contexts,
                  "pool_mb": args.pool_mb, "debug": args.debug or None}
     if args.budget is not None:

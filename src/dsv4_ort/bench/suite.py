@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -112,7 +113,11 @@ def run(mode: str = "quick", *, out_dir: str | os.PathLike = "bench-results", th
     info = dsv4_ort.library_info()
     caps = _caps(isa, info["isa_max"])
     families = {c: dsv4_ort.library_info(c)["families"] for c in caps}
-    wanted = set(baselines) if baselines is not None else {"torch", "ort", "hf"}
+    from . import llamacpp
+
+    llama_missing = llamacpp.available()
+    wanted = set(baselines) if baselines is not None else {"torch", "ort", "hf"} | ({"llama"} if not llama_missing
+                                                                                     else set())
     missing = []
     try:
         import torch  # noqa: F401
@@ -132,6 +137,9 @@ def run(mode: str = "quick", *, out_dir: str | os.PathLike = "bench-results", th
                "baselines": sorted(wanted)}
     for m in missing:
         results["notes"].append(f"{m} is not installed: its baselines are left out")
+    if "llama" in wanted and llama_missing:
+        results["notes"].append(f"llama.cpp baseline left out: {llama_missing}")
+        wanted.discard("llama")
     log(f"dsv4-ort bench ({mode}): {threads} threads, ISA levels {', '.join(caps)}")
     conditions = machine.describe(threads)
     conditions.update(isa_caps=caps, families=families, load_start=machine.LoadMeter().stop())
@@ -271,6 +279,15 @@ def _run_e2e(s, threads, caps, families, limits, wanted, e2e_isa, model_dir, log
             out["scaling"] = overhead.thread_scaling(mdir, thread_counts=counts, isa=want_caps[-1], context=ctx0,
                                                      prefill_tokens=min(settings["prefill_tokens"] or [16]),
                                                      steps=s.get("overhead_steps", 16) // 2)
+        # llama.cpp: the same preset converted by its own converter, timed by llama-bench in this run
+        if "llama" in wanted and not model_dir and time.monotonic() < deadline:
+            try:
+                out["runs"] += _run_llama(s, settings, threads, log)
+            except Exception as e:
+                msg = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+                out["runs"].append({"impl": "llama.cpp", "error": msg})
+                results["errors"].append({"where": "e2e llama.cpp", "error": msg})
+                log(f"    llama.cpp failed: {msg}")
         # baselines
         from dsv4_ort.models import DeepseekV4Config
 
@@ -312,6 +329,45 @@ def _run_e2e(s, threads, caps, families, limits, wanted, e2e_isa, model_dir, log
         results["errors"].append({"where": "e2e", "error": msg})
         log(f"  end to end failed: {msg}")
     return out
+
+
+def _run_llama(s, settings, threads, log) -> list:
+    """llama.cpp on the e2e preset (Q8_0 dense + MXFP4 experts as its converter writes it, and Q4_K_M when
+    llama-quantize is there): prefill of the first prompt length and decode at each context, batch 1."""
+    from dsv4_ort.models import DeepseekV4Config, write_random_checkpoint
+    from dsv4_ort.runtime.cli import cache_dir
+
+    from . import llamacpp
+
+    preset = s["e2e_preset"]
+    root = cache_dir() / "bench"
+    ck = root / f"{preset}-checkpoint-seed0"
+    if not (ck / "config.json").is_file():
+        log(f"  writing the {preset} preset as a checkpoint for llama.cpp's converter")
+        tmp = root / f".{preset}-checkpoint-seed0.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_random_checkpoint(tmp, DeepseekV4Config.from_preset(preset), seed=0, weights="native")
+        os.replace(tmp, ck)
+    ggufs = {"llama.cpp q8_0": llamacpp.convert(ck, root / f"{preset}-seed0-q8_0.gguf", "q8_0", log=log)}
+    if llamacpp.llama_quantize() and s["mode"] != "smoke":
+        ggufs["llama.cpp Q4_K_M"] = llamacpp.quantize(ggufs["llama.cpp q8_0"], root / f"{preset}-seed0-Q4_K_M.gguf",
+                                                     threads=threads, log=log)
+    prompt = min(settings["prefill_tokens"] or [128])
+    runs = []
+    for impl, path in ggufs.items():
+        for i, ctx in enumerate(settings["contexts"]):
+            log(f"  {impl}: llama-bench prefill {prompt}, decode at context {ctx}")
+            r = llamacpp.run_bench(path, threads=threads, prompt=prompt if i == 0 else 0, gen=16, depth=ctx,
+                                   repetitions=3 if s["mode"] == "full" else 2)
+            base = {"impl": impl, "threads": threads, "gguf_bytes": r["gguf_bytes"], "build": r["build"]}
+            if i == 0 and "prefill_tokens_per_s" in r:
+                tps = r["prefill_tokens_per_s"]
+                runs.append({**base, "kind": "prefill", "tokens": prompt, "tokens_per_s": tps,
+                             "time": {"median_s": prompt / tps, "n": 1, "stddev_tokens_per_s": r["prefill_stddev"]}})
+            tps = r["decode_tokens_per_s"]
+            runs.append({**base, "kind": "decode", "context": ctx, "batch": 1, "tokens_per_s": tps,
+                         "time": {"median_s": 1 / tps, "n": 1, "stddev_tokens_per_s": r["decode_stddev"]}})
+    return runs
 
 
 __all__ = ["run", "MODES", "SCHEMA", "resolve_settings"]
