@@ -8,7 +8,7 @@ llama.cpp's own ``llama-bench`` in the same run. Optional and off unless found o
 
 The bench presets are random weights without a tokenizer, and llama.cpp's converter reads the vocabulary from
 tokenizer files; the conversion therefore runs the converter with a placeholder vocabulary of the model's size
-(token ``i`` spelled ``<i>``, no merges). Tokens never matter for speed: ``llama-bench`` feeds random ids.
+(token ``i`` spelled ``<i>``, one merge). Tokens never matter for speed: ``llama-bench`` feeds random ids.
 
 Converted files are cached next to the bench exports (``~/.cache/dsv4_ort/bench``), keyed by preset and type.
 """
@@ -34,9 +34,13 @@ from conversion import base
 
 def placeholder_vocab(self):
     n = int(self.hparams["vocab_size"])
-    return [f"<{i}>" for i in range(n)], [gguf.TokenType.NORMAL] * n, "default"
+    self.gguf_writer.add_tokenizer_model("gpt2")
+    self.gguf_writer.add_tokenizer_pre("default")
+    self.gguf_writer.add_token_list([f"<{i}>" for i in range(n)])
+    self.gguf_writer.add_token_types([gguf.TokenType.NORMAL] * n)
+    self.gguf_writer.add_token_merges(["<0> <1>"])  # llama.cpp's BPE loader wants a merges list
 
-base.TextModel.get_vocab_base = placeholder_vocab
+base.TextModel._set_vocab_gpt2 = placeholder_vocab
 sys.argv = [str(root / "convert_hf_to_gguf.py")] + sys.argv[2:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
