@@ -102,7 +102,9 @@ def quantize(src: Path, out: Path, qtype: str = "Q4_K_M", threads: int = 2, log=
         raise RuntimeError("llama-quantize not found next to llama-bench or on the PATH")
     log(f"  llama-quantize {src.name} -> {qtype}")
     tmp = out.with_name(out.name + ".partial")
-    r = subprocess.run([exe, str(src), str(tmp), qtype, str(threads)], capture_output=True, text=True)
+    # --allow-requantize: the source is the converter's Q8_0 + MXFP4 file (the checkpoint is already quantised)
+    r = subprocess.run([exe, "--allow-requantize", str(src), str(tmp), qtype, str(threads)], capture_output=True,
+                       text=True)
     if r.returncode != 0:
         tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["no output"]
         raise RuntimeError(f"llama-quantize failed: {tail[0]}")
