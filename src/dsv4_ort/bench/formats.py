@@ -108,7 +108,11 @@ def run(presets=("tiny", "bench"), *, tokens: int = 48, steps: int = 32, repeats
                 f"top1={row['top1_agreement']:.3f} decode={row['decode_tok_s']} tok/s {row['mb_per_token']} MB/token")
             rows.append(row)
             del sess
-    return {"rows": rows, "machine": {"cpu": _cpuinfo()["model"], "threads": threads}}
+    import dsv4_ort
+
+    cpu = dsv4_ort.library_info()["cpu"]
+    name = f"{_cpuinfo()['model']} ({cpu['vendor']} family {cpu['family']:#x} model {cpu['model']:#x})"
+    return {"rows": rows, "machine": {"cpu": name, "threads": threads}}
 
 
 def markdown(result: dict) -> str:
