@@ -32,17 +32,22 @@ def available_isa_levels() -> list:
     return list(dsv4_ort.ISA_LEVELS[: dsv4_ort.ISA_LEVELS.index(top) + 1])
 
 
-def onnxruntime_release(version: str):
-    """Installs onnxruntime==version (no dependencies) into a cached folder outside site-packages and returns it; put
-    it first on PYTHONPATH of a subprocess to run that release instead of the installed one."""
+def release(package: str, version: str, module: str | None = None):
+    """Installs package==version (no dependencies) into a cached folder outside site-packages (build/compat/) and
+    returns it; put it first on PYTHONPATH of a subprocess to run that release instead of the installed one."""
     import shutil
     import subprocess
     import sys
     from pathlib import Path
 
-    target = Path(__file__).resolve().parents[1] / "build" / "ort-compat" / version
-    if not (target / "onnxruntime").is_dir():
+    target = Path(__file__).resolve().parents[1] / "build" / "compat" / package / version
+    if not (target / (module or package)).is_dir():
         shutil.rmtree(target, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
-                        f"onnxruntime=={version}"], check=True, timeout=600)
+                        f"{package}=={version}"], check=True, timeout=600)
     return target
+
+
+def onnxruntime_release(version: str):
+    """:func:`release` of onnxruntime."""
+    return release("onnxruntime", version)

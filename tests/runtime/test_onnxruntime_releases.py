@@ -1,5 +1,6 @@
 """Every onnxruntime the package admits runs exported models: the oldest admitted release, one from the middle (the
-last before onnxruntime fixed its shape-inference context for absent optional inputs) and a current one each load
+last before onnxruntime fixed its shape-inference context for absent optional inputs), the first release after that
+fix (the first on which the library registers its shape-inference function) and a current one each load
 the tiny preset, generate the same greedy tokens as the installed onnxruntime, match its logits, and give the same
 logits from four threads on one Session as from sequential runs (before 1.30 an IOBinding keeps no reference to
 the numpy buffers it was given, so every buffer bound for a run must be kept alive by the runtime itself).
@@ -24,7 +25,7 @@ from testutil import onnxruntime_release
 
 from dsv4_ort.runtime import Session
 
-RELEASES = ["1.21.1", "1.23.2", "1.26.0"]
+RELEASES = ["1.21.1", "1.23.2", "1.24.1", "1.26.0"]
 
 _SCRIPT = textwrap.dedent("""
     import json, sys, threading
