@@ -1,0 +1,290 @@
+// AVX512 decode path (linear_avx512.cc has the level's overview): the rows path's FP8 / FP4 weights against at most
+// four activation rows (FusedDecode), decoded in registers inside the inner loop (RowsFused), four weight rows at a
+// time, with the same per-accumulator operation sequence as the scratch-decoded loops of linear_rows_avx512.cc.
+// Each weight byte is read once and nothing is written back: FP8 moves half and FP4 a quarter of the bytes of bf16.
+#include "custom_ops/kernels/isa_prelude.h"
+
+#include "custom_ops/kernels/linear_avx512_internal.h"
+#include "custom_ops/numerics/fp4.h"
+
+namespace dsv4 {
+namespace avx512 {
+namespace {
+
+#include "custom_ops/kernels/simd_avx512.inc"
+#include "custom_ops/kernels/linear_common_avx512.inc"
+
+// The in-register decode loops read four rows at once, each prefetching this far ahead on its own row and, past the
+// row's end, on the row the next group reads (PrefetchTarget). 2 KiB measured best there (weights streamed from
+// DRAM, one and two cores; 512 bytes lost up to 25%, most on short rows: 512-byte FP4 / 1 KiB FP8 rows).
+constexpr int64_t kPrefetchFp4 = 2048;
+constexpr int64_t kPrefetchFp8 = 2048;
+
+// What those loops prefetch: `ahead` bytes past offset `at` of a row of `row_bytes` bytes, where the loop reads four
+// consecutive rows side by side. Past the row's end that is the same offset in the row four rows on (the row the
+// next group reads; the next row is already being read). Prefetches do not fault, so the address may lie past the
+// matrix.
+const char* PrefetchTarget(const uint8_t* row, int64_t at, int64_t row_bytes, int64_t ahead) {
+  const int64_t t = at + ahead;
+  return reinterpret_cast<const char*>(row + (t < row_bytes ? t : t + 3 * row_bytes));
+}
+
+// Four FP4 rows; column chunk c (32 values) of row q.
+struct Fp4Rows {
+  const uint8_t* src[4];
+  const uint8_t* scale[4];
+  int64_t row_bytes;
+  // natural-order bf16
+  __m512i Bf16(int q, int64_t c) const { return DecodeFp4Block(src[q] + c * 16, scale[q][c]); }
+  // [even, odd] columns as exact fp32
+  void F32(int q, int64_t c, __m512* even, __m512* odd) const { Fp4BlockF32(src[q] + c * 16, scale[q][c], even, odd); }
+};
+
+template <int MR>
+void DotFp4Bf16(const Fp4Rows& w, int64_t kw, const uint16_t* x, int64_t xs, float res[][4]) {
+  __m512 acc[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < kw / 32; ++c) {
+    __m512bh a[4];
+    for (int q = 0; q < 4; ++q) {
+      if ((c & 3) == 0) _mm_prefetch(PrefetchTarget(w.src[q], c * 16, w.row_bytes, kPrefetchFp4), _MM_HINT_T0);
+      a[q] = AsBh(w.Bf16(q, c));
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh xv = AsBh(_mm512_loadu_si512(x + i * xs + c * 32));
+      for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], a[q], xv);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < 4; ++q) res[i][q] = Hsum(acc[i][q]);
+}
+
+// fp32 activations in [even, odd] layout; same sequence as DotF32Bf16 (even FMA, then odd FMA, per chunk).
+template <int MR>
+void DotFp4F32(const Fp4Rows& w, int64_t kw, const float* x, int64_t xs, float res[][4]) {
+  __m512 acc[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < kw / 32; ++c) {
+    __m512 we[4], wo[4];
+    for (int q = 0; q < 4; ++q) {
+      if ((c & 3) == 0) _mm_prefetch(PrefetchTarget(w.src[q], c * 16, w.row_bytes, kPrefetchFp4), _MM_HINT_T0);
+      w.F32(q, c, &we[q], &wo[q]);
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xe = _mm512_loadu_ps(x + i * xs + c * 32), xo = _mm512_loadu_ps(x + i * xs + c * 32 + 16);
+      for (int q = 0; q < 4; ++q) {
+        acc[i][q] = _mm512_fmadd_ps(we[q], xe, acc[i][q]);
+        acc[i][q] = _mm512_fmadd_ps(wo[q], xo, acc[i][q]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < 4; ++q) res[i][q] = Hsum(acc[i][q]);
+}
+
+// E8M0 byte e -> e - 127 + 8 as a float: the VSCALEFPS exponent that turns code * 2^-8 into code * 2^(e - 127).
+struct ScalefExponents {
+  float e[256];
+};
+constexpr ScalefExponents MakeScalefExponents() {
+  ScalefExponents t{};
+  for (int e = 0; e < 256; ++e) t.e[e] = static_cast<float>(e - 119);
+  return t;
+}
+constexpr ScalefExponents kScalefExponent = MakeScalefExponents();
+
+// 32 E4M3 codes -> the fp16 bits of code * 2^-8 (see Fp8ToF32) in three operations: sign-extend the bytes to
+// words, shift left by 7 (sign to bit 15, exponent and mantissa to bits 13..7) and clear bit 14 (a copy of the
+// sign). A NaN code comes out as +-1.875 (a finite value): callers either know there is none (fp8_finite) or test
+// for them separately (Fp8NanBytes).
+__m512i Fp8ToF16Bits(__m256i codes) {
+  return _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(codes), 7),
+                          _mm512_set1_epi16(static_cast<short>(0xBFFF)));
+}
+
+// Running NaN-code detector for the decode loop: the per-byte maximum of 2 * code (mod 256) reaches 0xFE exactly
+// when some code has all seven low bits set (0x7F, 0xFF).
+__m256i Fp8NanBytes(__m256i seen, __m256i codes) { return _mm256_max_epu8(seen, _mm256_add_epi8(codes, codes)); }
+bool Fp8SawNan(__m256i seen) {
+  return _mm256_movemask_epi8(_mm256_cmpeq_epi8(seen, _mm256_set1_epi8(static_cast<char>(0xFE)))) != 0;
+}
+bool Fp8RowHasNan(const uint8_t* row, int64_t cols) {
+  for (int64_t k = 0; k < cols; ++k)
+    if ((row[k] & 0x7F) == 0x7F) return true;
+  return false;
+}
+
+// R FP8 rows (scale blocks are multiples of 32 columns: the loop runs over blocks, then 32-column chunks).
+// Codes become fp16 bits of code * 2^-8 (Fp8ToF16Bits) and fp32 by VCVTPH2PS. Then either
+//   kFold   the block's products are accumulated unscaled and the block sum is scaled once into the total:
+//           E8M0: total += blk * 2^(e - 127 + 8) by VSCALEFPS (exact, as scaling each product would be, barring
+//           overflow / underflow of the block sum itself); fp32 scales (fp32 activations only): total +=
+//           (blk * 2^8) * scale, one rounding per block instead of one per weight (within the tolerance of the
+//           reordered sum);
+//   else    each chunk is scaled to the exact W values (as ScaleFp8Chunk) before the products.
+// bf16 activations need W rounded to bf16: values are converted by VCVTNE2PS2BF16 and meet VDPBF16PS; folding is
+// exact there only for E8M0 scales (code * 2^-8 is exact in bf16), so fp32 scales take the unfolded route.
+// Unless the weight is known finite, the codes also feed a NaN detector; a row holding a NaN code has all its
+// outputs NaN (every product with a NaN weight is NaN), which the end of the row applies.
+template <int MR, bool kBf16Act, bool kFold, bool kFinite>
+void DotFp8(const WeightView& w, const int64_t* rows, const void* xv, int64_t xs, float res[][4]) {
+  const int64_t kw = w.cols, scale_cols = (kw + w.block - 1) / w.block;
+  const bool e8m0 = w.scale_format == ScaleFormat::kE8M0;
+  const uint8_t* src[4];
+  int64_t scale_row[4];
+  // rows[0] <= rows[q] < rows[0] + 4 <= rows[0] + block: row block rb0 or the next (one division per group)
+  const int64_t rb0 = rows[0] / w.block;
+  for (int q = 0; q < 4; ++q) {
+    src[q] = static_cast<const uint8_t*>(w.data) + rows[q] * kw;
+    scale_row[q] = (rows[q] - rb0 * w.block < w.block ? rb0 : rb0 + 1) * scale_cols;
+  }
+  __m512 acc[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_setzero_ps();
+  __m256i nan_seen = _mm256_setzero_si256();
+  const __m512 e8 = _mm512_set1_ps(8.0f);
+  for (int64_t b = 0; b < scale_cols; ++b) {
+    // E8M0 byte e: the exponent e - 127 + 8 for VSCALEFPS (the 2^8 the fp16 route leaves out); fp32: the scale.
+    __m512 sv[4];
+    for (int q = 0; q < 4; ++q) {  // broadcasts from memory (no conversion in the loop)
+      sv[q] = e8m0 ? _mm512_set1_ps(kScalefExponent.e[static_cast<const uint8_t*>(w.scale)[scale_row[q] + b]])
+                   : _mm512_set1_ps(static_cast<const float*>(w.scale)[scale_row[q] + b]);
+    }
+    __m512 blk[MR][4];
+    if constexpr (kFold) {
+      for (int i = 0; i < MR; ++i)
+        for (int q = 0; q < 4; ++q) blk[i][q] = _mm512_setzero_ps();
+    }
+    __m512(&sum)[MR][4] = *(kFold ? &blk : &acc);  // where the chunk products go
+    const int64_t k1 = (b + 1) * w.block < kw ? (b + 1) * w.block : kw;
+    for (int64_t k = b * w.block; k < k1; k += 32) {
+      const int64_t valid = k1 - k;
+      __m512 lo[4], hi[4];
+      for (int q = 0; q < 4; ++q) {
+        if ((k & 63) == 0) _mm_prefetch(PrefetchTarget(src[q], k, kw, kPrefetchFp8), _MM_HINT_T0);
+        const __m256i codes = valid >= 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[q] + k))
+                                          : _mm256_maskz_loadu_epi8(Mask32(valid), src[q] + k);
+        if constexpr (!kFinite) nan_seen = Fp8NanBytes(nan_seen, codes);
+        const __m512i h = Fp8ToF16Bits(codes);
+        lo[q] = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+        hi[q] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+        if constexpr (!kFold) {
+          if (e8m0) {
+            lo[q] = _mm512_scalef_ps(lo[q], sv[q]);
+            hi[q] = _mm512_scalef_ps(hi[q], sv[q]);
+          } else {
+            lo[q] = _mm512_mul_ps(_mm512_scalef_ps(lo[q], e8), sv[q]);
+            hi[q] = _mm512_mul_ps(_mm512_scalef_ps(hi[q], e8), sv[q]);
+          }
+        }
+      }
+      if constexpr (kBf16Act) {
+        const uint16_t* x = static_cast<const uint16_t*>(xv);
+        __m512bh a[4];
+        for (int q = 0; q < 4; ++q) a[q] = _mm512_cvtne2ps_pbh(hi[q], lo[q]);
+        for (int i = 0; i < MR; ++i) {
+          const __m512bh xb = AsBh(_mm512_loadu_si512(x + i * xs + k));
+          for (int q = 0; q < 4; ++q) sum[i][q] = _mm512_dpbf16_ps(sum[i][q], a[q], xb);
+        }
+      } else {
+        const float* x = static_cast<const float*>(xv);
+        for (int i = 0; i < MR; ++i) {
+          const __m512 x0 = _mm512_loadu_ps(x + i * xs + k), x1 = _mm512_loadu_ps(x + i * xs + k + 16);
+          for (int q = 0; q < 4; ++q) {
+            sum[i][q] = _mm512_fmadd_ps(lo[q], x0, sum[i][q]);
+            sum[i][q] = _mm512_fmadd_ps(hi[q], x1, sum[i][q]);
+          }
+        }
+      }
+    }
+    if constexpr (kFold) {
+      for (int i = 0; i < MR; ++i) {
+        for (int q = 0; q < 4; ++q) {
+          acc[i][q] = e8m0 ? _mm512_add_ps(acc[i][q], _mm512_scalef_ps(blk[i][q], sv[q]))
+                           : _mm512_fmadd_ps(_mm512_scalef_ps(blk[i][q], e8), sv[q], acc[i][q]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < 4; ++q) res[i][q] = Hsum(acc[i][q]);
+  if constexpr (!kFinite) {
+    if (Fp8SawNan(nan_seen)) {
+      for (int q = 0; q < 4; ++q) {
+        if (!Fp8RowHasNan(src[q], kw)) continue;
+        for (int i = 0; i < MR; ++i) res[i][q] = __builtin_nanf("");
+      }
+    }
+  }
+}
+
+template <int MR, bool kBf16Act, bool kFold>
+void DotFp8Finite(const WeightView& w, const int64_t* rows, const void* x, int64_t xs, float res[][4]) {
+  if (w.fp8_finite) {
+    DotFp8<MR, kBf16Act, kFold, true>(w, rows, x, xs, res);
+  } else {
+    DotFp8<MR, kBf16Act, kFold, false>(w, rows, x, xs, res);
+  }
+}
+
+// Four FP8 rows against MR activation rows. Folded (fp32 activations, or E8M0 scales) for up to two activation rows,
+// where the block and total accumulators fit the registers; three or four rows scale each chunk instead (measured
+// faster than folding two weight rows at a time).
+template <int MR, bool kBf16Act>
+void DotFp8Rows(const WeightView& w, const int64_t* rows, const void* x, int64_t xs, float res[][4]) {
+  if (MR <= 2 && (!kBf16Act || w.scale_format == ScaleFormat::kE8M0)) {
+    DotFp8Finite<MR, kBf16Act, MR <= 2>(w, rows, x, xs, res);
+  } else {
+    DotFp8Finite<MR, kBf16Act, false>(w, rows, x, xs, res);
+  }
+}
+
+template <int MR>
+void DotFused(ActType act, const WeightView& w, const int64_t* rows, const void* x, int64_t xs, float res[][4]) {
+  if (w.format == WeightFormat::kFp4E2M1) {
+    Fp4Rows src;
+    src.row_bytes = w.cols / 2;
+    for (int q = 0; q < 4; ++q) {
+      src.src[q] = static_cast<const uint8_t*>(w.data) + rows[q] * (w.cols / 2);
+      src.scale[q] = static_cast<const uint8_t*>(w.scale) + rows[q] * (w.cols / kFp4Block);
+    }
+    if (act == ActType::kBf16) {
+      DotFp4Bf16<MR>(src, w.cols, static_cast<const uint16_t*>(x), xs, res);
+    } else {
+      DotFp4F32<MR>(src, w.cols, static_cast<const float*>(x), xs, res);
+    }
+  } else if (act == ActType::kBf16) {
+    DotFp8Rows<MR, true>(w, rows, x, xs, res);
+  } else {
+    DotFp8Rows<MR, false>(w, rows, x, xs, res);
+  }
+}
+
+}  // namespace
+
+// True when rows() decodes in registers (the decode path of FP8 / FP4 weights).
+bool FusedDecode(const WeightView& w, int64_t m) {
+  return m <= 4 && (w.format == WeightFormat::kFp4E2M1 || w.format == WeightFormat::kFp8E4M3);
+}
+
+void RowsFused(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n0, int64_t n1, const MatOut& out) {
+  const int64_t kp = Pad32(w.cols);
+  const int mr = static_cast<int>(m);
+  for (int64_t r0 = n0; r0 < n1; r0 += 4) {
+    int64_t rows[4];
+    for (int q = 0; q < 4; ++q) rows[q] = r0 + q < n1 ? r0 + q : n1 - 1;
+    float res[4][4];
+    switch (mr) {
+      case 1: DotFused<1>(act, w, rows, xp, kp, res); break;
+      case 2: DotFused<2>(act, w, rows, xp, kp, res); break;
+      case 3: DotFused<3>(act, w, rows, xp, kp, res); break;
+      default: DotFused<4>(act, w, rows, xp, kp, res); break;
+    }
+    StoreResults(out, 0, m, r0 - n0, n1 - r0 < 4 ? n1 - r0 : 4, res);
+  }
+}
+
+}  // namespace avx512
+}  // namespace dsv4

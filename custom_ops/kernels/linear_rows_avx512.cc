@@ -1,0 +1,360 @@
+// AVX512 rows path (linear_avx512.cc has the level's overview): LinearBlocks::rows for every weight format and both
+// activation types, K in the lanes, and the decoding of weight rows into scratch (DecodeRowsBf16, shared with the
+// panels and the AMX tiles). Must match linear_ref.cc up to summation order: per output, fp32 accumulation in 16
+// lanes (bf16 activations: VDPBF16PS pairs) over K in 32-column steps, then one fixed horizontal sum.
+//
+// Inner loop: four weight rows against up to four activation rows (16 fp32 accumulators), K in the lanes:
+//   bf16 activations   one VDPBF16PS per (weight row, activation row) per 32 columns; activations as stored.
+//   fp32 activations   bf16 weight rows are widened in registers: the even columns of a 32-column chunk by a
+//                      16-bit shift, the odd ones by a mask, so the activations are prepared as [16 even columns,
+//                      16 odd columns] per chunk and each chunk takes two FMAs; fp32 weight rows take one FMA per
+//                      16 columns against activations as stored.
+// bf16 and fp32 weights are read in place. Other rows are decoded into scratch first, four at a time when there
+// are at most four activation rows (the decode path: each weight byte read once, the scratch stays in L1/L2) and
+// 64 at a time otherwise (decoded once, reused for every group of four activation rows); the FP8 / FP4 decoding is
+// described in linear_common_avx512.inc. FP8 / FP4 weights against at most four activation rows take the
+// in-register decode path instead (linear_fused_avx512.cc).
+// fp32 activations meet FP4 rows as bf16 (exact) and FP8 rows as fp32 (an FP8 value times a small scale can be a
+// denormal that bf16 cannot hold).
+// Horizontal sums, decoding and stores do not depend on how rows are grouped, so results are independent of the
+// task split.
+#include "custom_ops/kernels/isa_prelude.h"
+
+#include "custom_ops/kernels/linear_avx512_internal.h"
+#include "custom_ops/numerics/fp4.h"
+
+namespace dsv4 {
+namespace avx512 {
+namespace {
+
+#include "custom_ops/kernels/simd_avx512.inc"
+#include "custom_ops/kernels/linear_common_avx512.inc"
+
+enum class RowKind { kBf16Direct, kF32Direct, kBf16Decoded, kF32Decoded };
+
+RowKind KindOf(ActType act, const WeightView& w) {
+  if (w.format == WeightFormat::kBf16) return RowKind::kBf16Direct;
+  if (act == ActType::kBf16) return RowKind::kBf16Decoded;
+  if (w.format == WeightFormat::kF32) return RowKind::kF32Direct;
+  // fp32 activations need the exact value: FP4 values are exact in bf16 (denormals included: at most two
+  // significant bits), FP8 values (four bits, times any scale) are not always once they are denormal.
+  if (w.format == WeightFormat::kFp4E2M1) return RowKind::kBf16Decoded;
+  return RowKind::kF32Decoded;
+}
+
+bool Bf16Rows(RowKind kind) { return kind == RowKind::kBf16Direct || kind == RowKind::kBf16Decoded; }
+
+// fp32 activations against bf16 rows use the [even, odd] chunk layout.
+bool EvenOddLayout(ActType act, RowKind kind) { return act == ActType::kF32 && Bf16Rows(kind); }
+
+// Weight rows decoded per block: 4 for the decode path, 64 when several groups of activation rows reuse them.
+int64_t RowBlock(int64_t m) { return m <= 16 ? 4 : 64; }
+
+}  // namespace
+
+void DecodeRowsBf16(const WeightView& w, int64_t n0, int64_t rows, int64_t k0, int64_t kc, uint16_t* dst,
+                    int64_t ld) {
+  const WeightView fp8_view = Fp8CursorView(w);
+  Fp8Rows fp8(fp8_view, n0, k0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = n0 + r;
+    uint16_t* out = dst + r * ld;
+    if (row >= w.rows) {
+      std::memset(out, 0, static_cast<size_t>(kc) * sizeof(uint16_t));
+      continue;
+    }
+    switch (w.format) {
+      case WeightFormat::kBf16: {
+        const uint16_t* src = static_cast<const uint16_t*>(w.data) + row * w.cols;
+        for (int64_t c = 0; c < kc; c += 32) {
+          const int64_t k = k0 + c, valid = w.cols - k;
+          _mm_prefetch(reinterpret_cast<const char*>(src + k) + kPrefetchBytes, _MM_HINT_T0);
+          _mm512_storeu_si512(out + c, valid >= 32 ? _mm512_loadu_si512(src + k)
+                                                   : _mm512_maskz_loadu_epi16(Mask32(valid > 0 ? valid : 0), src + k));
+        }
+        break;
+      }
+      case WeightFormat::kF32: {
+        const float* src = static_cast<const float*>(w.data) + row * w.cols;
+        for (int64_t c = 0; c < kc; c += 32) {
+          const int64_t k = k0 + c, valid = w.cols - k;
+          _mm_prefetch(reinterpret_cast<const char*>(src + k) + kPrefetchBytes, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(src + k) + kPrefetchBytes + 64, _MM_HINT_T0);
+          const __m512 lo = _mm512_maskz_loadu_ps(TailMask(valid > 0 ? valid : 0), src + k);
+          const __m512 hi = _mm512_maskz_loadu_ps(TailMask(valid > 16 ? valid - 16 : 0), src + k + 16);
+          _mm512_storeu_si512(out + c, AsSi(_mm512_cvtne2ps_pbh(hi, lo)));
+        }
+        break;
+      }
+      case WeightFormat::kFp8E4M3:
+        ForFp8Row(fp8, row, k0, kc, [&](int64_t c, __m512 lo, __m512 hi) {
+          _mm512_storeu_si512(out + c, AsSi(_mm512_cvtne2ps_pbh(hi, lo)));
+        });
+        fp8.Next();
+        break;
+      case WeightFormat::kFp4E2M1: {
+        // whole 32-column blocks (FP4 rows are), four per prefetched 64 source bytes
+        const uint8_t* src = static_cast<const uint8_t*>(w.data) + row * (w.cols / 2) + k0 / 2;
+        const uint8_t* scale = static_cast<const uint8_t*>(w.scale) + row * (w.cols / kFp4Block) + k0 / kFp4Block;
+        const int64_t blocks = (w.cols - k0 < kc ? (w.cols - k0 > 0 ? w.cols - k0 : 0) : kc) / 32;
+        int64_t b = 0;
+        for (; b + 4 <= blocks; b += 4) {
+          _mm_prefetch(reinterpret_cast<const char*>(src + b * 16) + kPrefetchBytes, _MM_HINT_T0);
+          const __m512i v0 = DecodeFp4Block(src + b * 16, scale[b]);
+          const __m512i v1 = DecodeFp4Block(src + b * 16 + 16, scale[b + 1]);
+          const __m512i v2 = DecodeFp4Block(src + b * 16 + 32, scale[b + 2]);
+          const __m512i v3 = DecodeFp4Block(src + b * 16 + 48, scale[b + 3]);
+          _mm512_storeu_si512(out + b * 32, v0);
+          _mm512_storeu_si512(out + b * 32 + 32, v1);
+          _mm512_storeu_si512(out + b * 32 + 64, v2);
+          _mm512_storeu_si512(out + b * 32 + 96, v3);
+        }
+        for (; b < blocks; ++b) _mm512_storeu_si512(out + b * 32, DecodeFp4Block(src + b * 16, scale[b]));
+        for (int64_t c = blocks * 32; c < kc; c += 32) _mm512_storeu_si512(out + c, _mm512_setzero_si512());
+        break;
+      }
+    }
+  }
+}
+
+namespace {
+
+// FP8 rows for fp32 activations: rows [n0, n0 + rows) as exact fp32 values, kp columns (zero tail).
+void DecodeRowsF32(const WeightView& w, int64_t n0, int64_t rows, int64_t kp, float* dst) {
+  Fp8Rows fp8(w, n0, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = n0 + r;
+    float* out = dst + r * kp;
+    if (row >= w.rows) {
+      std::memset(out, 0, static_cast<size_t>(kp) * sizeof(float));
+      continue;
+    }
+    ForFp8Row(fp8, row, 0, kp, [&](int64_t c, __m512 lo, __m512 hi) {
+      _mm512_storeu_ps(out + c, lo);
+      _mm512_storeu_ps(out + c + 16, hi);
+    });
+    fp8.Next();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Inner loops: res[i][q] = sum_k x_i[k] * w_q[k] for 4 weight rows and MR activation rows.
+
+template <int MR>
+void DotBf16(const uint16_t* const* w, int64_t kw, const uint16_t* x, int64_t xs, float res[][4]) {
+  __m512 acc[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= kw; k += 32) {
+    __m512bh a[4];
+    for (int q = 0; q < 4; ++q) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[q] + k) + kPrefetchBytes, _MM_HINT_T0);
+      a[q] = AsBh(_mm512_loadu_si512(w[q] + k));
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh xv = AsBh(_mm512_loadu_si512(x + i * xs + k));
+      for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], a[q], xv);
+    }
+  }
+  if (k < kw) {
+    const __mmask32 mask = Mask32(kw - k);
+    __m512bh a[4];
+    for (int q = 0; q < 4; ++q) a[q] = AsBh(_mm512_maskz_loadu_epi16(mask, w[q] + k));
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh xv = AsBh(_mm512_loadu_si512(x + i * xs + k));
+      for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], a[q], xv);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < 4; ++q) res[i][q] = Hsum(acc[i][q]);
+}
+
+// fp32 activations in [even, odd] chunk layout against bf16 rows.
+template <int MR>
+void DotF32Bf16(const uint16_t* const* w, int64_t kw, const float* x, int64_t xs, float res[][4]) {
+  __m512 acc[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_setzero_ps();
+  const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k = 0; k < kw; k += 32) {
+    const __mmask32 mask = Mask32(kw - k);
+    __m512 we[4], wo[4];
+    for (int q = 0; q < 4; ++q) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[q] + k) + kPrefetchBytes, _MM_HINT_T0);
+      const __m512i v = _mm512_maskz_loadu_epi16(mask, w[q] + k);
+      we[q] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      wo[q] = _mm512_castsi512_ps(_mm512_and_si512(v, odd_mask));
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xe = _mm512_loadu_ps(x + i * xs + k), xo = _mm512_loadu_ps(x + i * xs + k + 16);
+      for (int q = 0; q < 4; ++q) {
+        acc[i][q] = _mm512_fmadd_ps(we[q], xe, acc[i][q]);
+        acc[i][q] = _mm512_fmadd_ps(wo[q], xo, acc[i][q]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < 4; ++q) res[i][q] = Hsum(acc[i][q]);
+}
+
+// fp32 activations against fp32 rows (both in column order).
+template <int MR>
+void DotF32(const float* const* w, int64_t kw, const float* x, int64_t xs, float res[][4]) {
+  __m512 acc[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kw; k += 16) {
+    const __mmask16 mask = TailMask(kw - k);
+    __m512 a[4];
+    for (int q = 0; q < 4; ++q) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[q] + k) + kPrefetchBytes, _MM_HINT_T0);
+      a[q] = _mm512_maskz_loadu_ps(mask, w[q] + k);
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xv = _mm512_loadu_ps(x + i * xs + k);
+      for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_fmadd_ps(a[q], xv, acc[i][q]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < 4; ++q) res[i][q] = Hsum(acc[i][q]);
+}
+
+template <class W, class X>
+void Dot(int mr, const W* const* w, int64_t kw, const X* x, int64_t xs, float res[][4]) {
+  if constexpr (sizeof(W) == 2 && sizeof(X) == 2) {
+    switch (mr) {
+      case 1: DotBf16<1>(w, kw, x, xs, res); break;
+      case 2: DotBf16<2>(w, kw, x, xs, res); break;
+      case 3: DotBf16<3>(w, kw, x, xs, res); break;
+      default: DotBf16<4>(w, kw, x, xs, res); break;
+    }
+  } else if constexpr (sizeof(W) == 2) {
+    switch (mr) {
+      case 1: DotF32Bf16<1>(w, kw, x, xs, res); break;
+      case 2: DotF32Bf16<2>(w, kw, x, xs, res); break;
+      case 3: DotF32Bf16<3>(w, kw, x, xs, res); break;
+      default: DotF32Bf16<4>(w, kw, x, xs, res); break;
+    }
+  } else {
+    switch (mr) {
+      case 1: DotF32<1>(w, kw, x, xs, res); break;
+      case 2: DotF32<2>(w, kw, x, xs, res); break;
+      case 3: DotF32<3>(w, kw, x, xs, res); break;
+      default: DotF32<4>(w, kw, x, xs, res); break;
+    }
+  }
+}
+
+template <class W, class X>
+void RowsBlock(const W* base, int64_t stride, int64_t rows, int64_t kw, const X* x, int64_t xs, int64_t m,
+               const MatOut& out, int64_t col0) {
+  for (int64_t m0 = 0; m0 < m; m0 += 4) {
+    const int mr = static_cast<int>(m - m0 < 4 ? m - m0 : 4);
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const W* w[4];
+      for (int q = 0; q < 4; ++q) w[q] = base + (r0 + q < rows ? r0 + q : rows - 1) * stride;
+      float res[4][4];
+      Dot(mr, w, kw, x + m0 * xs, xs, res);
+      StoreResults(out, m0, mr, col0 + r0, rows - r0 < 4 ? rows - r0 : 4, res);
+    }
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------------------
+// LinearBlocks: rows path.
+
+bool RowsSupported(ActType, const WeightView& w) {
+  return w.format != WeightFormat::kFp8E4M3 || (w.block > 0 && w.block % 32 == 0);
+}
+
+size_t RowBytes(ActType act, const WeightView& w) {
+  return static_cast<size_t>(Pad32(w.cols)) * (act == ActType::kF32 ? sizeof(float) : sizeof(uint16_t));
+}
+
+void PrepareRows(ActType act, const WeightView& w, const void* x, int64_t ldx, const int64_t* index, int64_t m,
+                 void* dst) {
+  const int64_t kw = w.cols, kp = Pad32(kw);
+  const bool even_odd = EvenOddLayout(act, KindOf(act, w));
+  for (int64_t i = 0; i < m; ++i) {
+    const int64_t src = index != nullptr ? index[i] : i;
+    if (act == ActType::kBf16) {
+      const uint16_t* in = static_cast<const uint16_t*>(x) + src * ldx;
+      uint16_t* out = static_cast<uint16_t*>(dst) + i * kp;
+      std::memcpy(out, in, static_cast<size_t>(kw) * sizeof(uint16_t));
+      std::memset(out + kw, 0, static_cast<size_t>(kp - kw) * sizeof(uint16_t));
+      continue;
+    }
+    const float* in = static_cast<const float*>(x) + src * ldx;
+    float* out = static_cast<float*>(dst) + i * kp;
+    if (!even_odd) {
+      std::memcpy(out, in, static_cast<size_t>(kw) * sizeof(float));
+      std::memset(out + kw, 0, static_cast<size_t>(kp - kw) * sizeof(float));
+      continue;
+    }
+    for (int64_t k = 0; k < kp; k += 32) {
+      const int64_t valid = kw - k;
+      const __m512 a = _mm512_maskz_loadu_ps(TailMask(valid > 0 ? valid : 0), in + k);
+      const __m512 b = _mm512_maskz_loadu_ps(TailMask(valid > 16 ? valid - 16 : 0), in + k + 16);
+      __m512 even, odd;
+      EvenOdd(a, b, &even, &odd);
+      _mm512_storeu_ps(out + k, even);
+      _mm512_storeu_ps(out + k + 16, odd);
+    }
+  }
+}
+
+size_t RowsScratch(ActType act, const WeightView& w, int64_t m) {
+  const RowKind kind = KindOf(act, w);
+  if (kind == RowKind::kBf16Direct || kind == RowKind::kF32Direct || FusedDecode(w, m)) return 0;
+  const size_t elem = kind == RowKind::kF32Decoded ? sizeof(float) : sizeof(uint16_t);
+  return static_cast<size_t>(RowBlock(m) * Pad32(w.cols)) * elem;
+}
+
+void Rows(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n0, int64_t n1, const MatOut& out,
+          void* scratch) {
+  if (FusedDecode(w, m)) {
+    RowsFused(act, xp, m, w, n0, n1, out);
+    return;
+  }
+  const RowKind kind = KindOf(act, w);
+  const int64_t kw = w.cols, kp = Pad32(kw), block = RowBlock(m);
+  for (int64_t b0 = n0; b0 < n1; b0 += block) {
+    const int64_t rows = n1 - b0 < block ? n1 - b0 : block;
+    const int64_t col0 = b0 - n0;
+    switch (kind) {
+      case RowKind::kBf16Direct:
+      case RowKind::kBf16Decoded: {
+        const uint16_t* base;
+        int64_t stride;
+        if (kind == RowKind::kBf16Direct) {
+          base = static_cast<const uint16_t*>(w.data) + b0 * kw;
+          stride = kw;
+        } else {
+          DecodeRowsBf16(w, b0, rows, 0, kp, static_cast<uint16_t*>(scratch), kp);
+          base = static_cast<const uint16_t*>(scratch);
+          stride = kp;
+        }
+        if (act == ActType::kBf16) {
+          RowsBlock(base, stride, rows, kw, static_cast<const uint16_t*>(xp), kp, m, out, col0);
+        } else {
+          RowsBlock(base, stride, rows, kw, static_cast<const float*>(xp), kp, m, out, col0);
+        }
+        break;
+      }
+      case RowKind::kF32Direct:
+        RowsBlock(static_cast<const float*>(w.data) + b0 * kw, kw, rows, kw, static_cast<const float*>(xp), kp, m,
+                  out, col0);
+        break;
+      case RowKind::kF32Decoded:
+        DecodeRowsF32(w, b0, rows, kp, static_cast<float*>(scratch));
+        RowsBlock(static_cast<const float*>(scratch), kp, rows, kw, static_cast<const float*>(xp), kp, m, out, col0);
+        break;
+    }
+  }
+}
+
+}  // namespace avx512
+}  // namespace dsv4
