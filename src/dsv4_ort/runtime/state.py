@@ -59,6 +59,40 @@ class State:
             binding.bind_ortvalue_output(out_name, value)
         self.binding, self.owner = binding, session
 
+    def rows(self, start: int, stop: int) -> "State":
+        """A State over rows [start, stop) of this one that shares its memory: every buffer is the contiguous view
+        ``buf[start:stop]`` (batch is the first dimension of every state tensor) and ``positions`` the view
+        ``positions[start:stop]``, so a run on the view reads and advances exactly those rows of this state. The
+        view has its own binding (bound to this state's session, if any); rows outside it are not touched."""
+        import onnxruntime as ort
+
+        if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop <= self.batch_size):
+            raise ValueError(f"rows [{start}, {stop}) are not a non-empty range of the {self.batch_size} rows")
+        view = State.__new__(State)
+        view.batch_size = stop - start
+        view.max_seq_len = self.max_seq_len
+        view.positions = self.positions[start:stop]
+        view.tensors = []
+        for (in_name, out_name, buf, _), (_, _, dtype, _) in zip(self.tensors, self.layout):
+            rows = buf[start:stop]
+            value = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(rows, ELEMENT_TYPES[dtype].code)
+            view.tensors.append((in_name, out_name, rows, value))
+        view.layout = self.layout
+        view.binding = view.owner = None
+        view._run_buffers = ()
+        view.parent = self  # the views' memory is this state's
+        if self.owner is not None:
+            view.bind(self.owner)
+        return view
+
+    def copy_row(self, src: int, dst: int) -> None:
+        """Row ``dst`` becomes a copy of row ``src`` (every buffer and the position): the sequence moves rows."""
+        if src == dst:
+            return
+        for _, _, buf, _ in self.tensors:
+            buf[dst] = buf[src]
+        self.positions[dst] = self.positions[src]
+
     @property
     def nbytes(self) -> int:
         return sum(buf.nbytes for _, _, buf, _ in self.tensors)
