@@ -17,6 +17,10 @@
 // once to the activation type (bf16: nearest-even, numerics/bf16.h). E4M3 NaN codes decode to NaN and propagate;
 // E8M0 NaN scales (0xFF) are rejected by the ops before a kernel runs (precondition here).
 //
+// The bf16 compute mode (slots f32bf16_*, the ops' compute="bf16"): fp32 x and y, but every product is a bf16
+// product, as for bf16 activations: x rounded to bf16 (nearest-even), W rounded to bf16, fp32 sums stored
+// unrounded. It is what lets the levels use VDPBF16PS and single-pass AMX-BF16 tiles on fp32 activations.
+//
 // Shapes (row-major, contiguous):
 //   x [M, K] fp32 or bf16 (uint16_t bits), y [M, N] of the same type; W as described by a WeightView.
 // Preconditions (asserted, not validated): M, N, Kw >= 0, G >= 1, N % G == 0, FP4: Kw % 32 == 0; y does not
@@ -67,7 +71,7 @@ using LinearBf16Fn = void (*)(const uint16_t* x, int64_t m, const WeightView& w,
 
 // One table per ISA level; every slot is non-null (an ISA that does not accelerate a slot points it at ref).
 // Slots by activation type and weight family: `dense` takes kF32 and kBf16 weights, `fp8` kFp8E4M3 (either scale
-// format), `fp4` kFp4E2M1.
+// format), `fp4` kFp4E2M1; f32bf16_* are fp32 activations in the bf16 compute mode (above).
 struct LinearKernels {
   LinearF32Fn f32_dense;
   LinearF32Fn f32_fp8;
@@ -75,6 +79,9 @@ struct LinearKernels {
   LinearBf16Fn bf16_dense;
   LinearBf16Fn bf16_fp8;
   LinearBf16Fn bf16_fp4;
+  LinearF32Fn f32bf16_dense;
+  LinearF32Fn f32bf16_fp8;
+  LinearF32Fn f32bf16_fp4;
 };
 
 namespace ref {

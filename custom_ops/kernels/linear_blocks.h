@@ -20,7 +20,7 @@
 //          block of weight rows for more.
 //   panels (AVX512, in the tiles slot) the activations are prepared K-major in 16-token blocks and the weight rows
 //          decoded per 48 x 512 block and broadcast, so each FMA (fp32 activations) or VDPBF16PS (bf16, column
-//          pairs) has 16 tokens in its lanes; see linear_avx512.cc.
+//          pairs) has 16 tokens in its lanes; see linear_panels_avx512.cc.
 //   tiles  (AMX) the weight is the A operand of TDPBF16PS: a 16 x 32 bf16 A tile is 16 weight rows x 32 columns,
 //          i.e. [N, Kw] read with the row stride: in place for bf16 weights, from a decoded bf16 block for the
 //          rest (128 rows x up to 4096 columns decoded once and reused for every 32 activation rows; pieces of
@@ -108,8 +108,12 @@ struct LinearBlocks {
 };
 
 // Drivers: the LinearKernels / MoeExpertsKernels slot semantics (linear.h, moe_experts.h) on a level's blocks.
+// f32_out (bf16 activations only): fp32 outputs, unrounded (the bf16 compute mode).
 void RunLinear(const LinearBlocks& b, ActType act, const void* x, int64_t m, const WeightView& w, int64_t groups,
-               void* y, const Parallel& par);
+               void* y, const Parallel& par, bool f32_out = false);
+// The f32bf16_* slots: x rounded to bf16, then RunLinear with bf16 activations and fp32 outputs.
+void RunLinearBf16Products(const LinearBlocks& b, const float* x, int64_t m, const WeightView& w, int64_t groups,
+                           float* y, const Parallel& par);
 void RunMoeExperts(const LinearBlocks& b, ActType act, const void* x, int64_t tokens, const float* weights,
                    const int64_t* indices, int64_t top_k, const ExpertWeights& w, float swiglu_limit, void* y,
                    const Parallel& par);

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <vector>
 
 #include "custom_ops/kernels/linear_blocks.h"
 #include "custom_ops/kernels/linear_buffer.h"
@@ -214,20 +215,31 @@ void RunReference(ActType act, const void* x, int64_t m, const WeightView& w, in
 }  // namespace
 
 void RunLinear(const LinearBlocks& b, ActType act, const void* x, int64_t m, const WeightView& w, int64_t groups,
-               void* y, const Parallel& par) {
+               void* y, const Parallel& par, bool f32_out) {
   const int64_t n = w.rows, kw = w.cols, k = groups * kw;
+  const bool out_bf16 = act == ActType::kBf16 && !f32_out;
   assert(groups >= 1 && n % groups == 0 && m >= 0 && kw >= 0);
   if (m == 0 || n == 0) return;
   if (kw == 0) {  // every output is an empty sum
-    std::memset(y, 0, static_cast<size_t>(m * n) * (act == ActType::kF32 ? sizeof(float) : sizeof(uint16_t)));
+    std::memset(y, 0, static_cast<size_t>(m * n) * (out_bf16 ? sizeof(uint16_t) : sizeof(float)));
     return;
   }
   if (!b.rows_supported(act, w)) {
+    if (f32_out && act == ActType::kBf16) {  // only reached through RunLinearBf16Products
+      const LinearKernels& r = ref::kLinear;
+      const bool fp8 = w.format == WeightFormat::kFp8E4M3, fp4 = w.format == WeightFormat::kFp4E2M1;
+      std::vector<float> xf(static_cast<size_t>(m * k));
+      for (size_t i = 0; i < xf.size(); ++i) xf[i] = Bf16ToF32(static_cast<const uint16_t*>(x)[i]);
+      (fp8 ? r.f32bf16_fp8 : fp4 ? r.f32bf16_fp4 : r.f32bf16_dense)(xf.data(), m, w, groups, static_cast<float*>(y),
+                                                                    par);
+      return;
+    }
     RunReference(act, x, m, w, groups, y, par);
     return;
   }
   const bool tiles = b.tiles != nullptr && m >= b.tile_min_rows[static_cast<int>(act)] && b.tiles_supported(act, w);
   const size_t elem = act == ActType::kF32 ? sizeof(float) : sizeof(uint16_t);
+  const size_t out_elem = out_bf16 ? sizeof(uint16_t) : sizeof(float);
   const int64_t per_group = n / groups;
   const size_t x_bytes = RoundUp64(tiles ? b.tile_x_bytes(act, m, kw) : static_cast<size_t>(m) * b.row_bytes(act, w));
 
@@ -263,11 +275,26 @@ void RunLinear(const LinearBlocks& b, ActType act, const void* x, int64_t m, con
     void* s = scratch + scratch_bytes * task;
     for (int64_t s0 = r0; s0 < r1;) {  // one call per group segment
       const int64_t g = s0 / per_group, s1 = std::min(r1, (g + 1) * per_group);
-      const MatOut out{static_cast<uint8_t*>(y) + static_cast<size_t>(s0) * elem, n, act == ActType::kBf16};
+      const MatOut out{static_cast<uint8_t*>(y) + static_cast<size_t>(s0) * out_elem, n, out_bf16};
       (tiles ? b.tiles : b.rows)(act, xp + x_bytes * static_cast<size_t>(g), m, w, s0, s1, out, s);
       s0 = s1;
     }
   });
+}
+
+void RunLinearBf16Products(const LinearBlocks& b, const float* x, int64_t m, const WeightView& w, int64_t groups,
+                           float* y, const Parallel& par) {
+  // x rounded to bf16 once (nearest-even, as linear.h's bf16 compute mode specifies), then the bf16-activation
+  // path with fp32 outputs: the same products and sums as bf16 activations, without the final rounding.
+  const int64_t k = groups * w.cols;
+  AlignedBuffer xb(static_cast<size_t>(m * k) * sizeof(uint16_t));
+  uint16_t* xh = reinterpret_cast<uint16_t*>(xb.bytes());
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(m, TargetTasks(par)));
+  par.For(static_cast<size_t>(tasks), [&](size_t t) {
+    const int64_t i0 = m * static_cast<int64_t>(t) / tasks, i1 = m * static_cast<int64_t>(t + 1) / tasks;
+    for (int64_t i = i0 * k; i < i1 * k; ++i) xh[i] = F32ToBf16(x[i]);
+  });
+  RunLinear(b, ActType::kBf16, xh, m, w, groups, y, par, /*f32_out=*/true);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -287,8 +314,14 @@ void Bf16Slot(const uint16_t* x, int64_t m, const WeightView& w, int64_t groups,
 }
 
 template <const LinearBlocks* B>
+void F32Bf16Slot(const float* x, int64_t m, const WeightView& w, int64_t groups, float* y, const Parallel& par) {
+  RunLinearBf16Products(*B, x, m, w, groups, y, par);
+}
+
+template <const LinearBlocks* B>
 constexpr LinearKernels MakeTable() {
-  return {F32Slot<B>, F32Slot<B>, F32Slot<B>, Bf16Slot<B>, Bf16Slot<B>, Bf16Slot<B>};
+  return {F32Slot<B>,  F32Slot<B>,     F32Slot<B>,     Bf16Slot<B>,    Bf16Slot<B>,
+          Bf16Slot<B>, F32Bf16Slot<B>, F32Bf16Slot<B>, F32Bf16Slot<B>};
 }
 
 }  // namespace

@@ -104,9 +104,11 @@ T Narrow(float v) {
   }
 }
 
-template <class T>
+// kBf16Products (T = float only): the bf16 compute mode, x and the decoded weight rounded to bf16, fp32 sums
+// stored unrounded.
+template <class T, bool kBf16Products = false>
 void LinearRef(const T* x, int64_t m, const WeightView& w, int64_t groups, T* y, const Parallel& par) {
-  constexpr bool kBf16 = std::is_same<T, uint16_t>::value;
+  constexpr bool kBf16 = std::is_same<T, uint16_t>::value || kBf16Products;
   const int64_t n = w.rows, kw = w.cols, k = groups * kw;
   assert(groups >= 1 && n % groups == 0 && m >= 0 && kw >= 0);
   assert(w.format != WeightFormat::kFp4E2M1 || kw % kFp4Block == 0);
@@ -127,7 +129,11 @@ void LinearRef(const T* x, int64_t m, const WeightView& w, int64_t groups, T* y,
           const T* xi = x + i * k + (j / rows_per_group) * kw;
           const float* wj = rows + (j - j0) * kw;
           float acc = 0.0f;
-          for (int64_t p = 0; p < kw; ++p) acc += Widen(xi[p]) * wj[p];
+          if constexpr (kBf16Products) {
+            for (int64_t p = 0; p < kw; ++p) acc += Bf16ToF32(F32ToBf16(xi[p])) * wj[p];
+          } else {
+            for (int64_t p = 0; p < kw; ++p) acc += Widen(xi[p]) * wj[p];
+          }
           y[i * n + j] = Narrow<T>(acc);
         }
       }
@@ -138,8 +144,9 @@ void LinearRef(const T* x, int64_t m, const WeightView& w, int64_t groups, T* y,
 }  // namespace
 
 extern const LinearKernels kLinear = {
-    LinearRef<float>, LinearRef<float>, LinearRef<float>, LinearRef<uint16_t>, LinearRef<uint16_t>,
-    LinearRef<uint16_t>,
+    LinearRef<float>,       LinearRef<float>,       LinearRef<float>,       LinearRef<uint16_t>,
+    LinearRef<uint16_t>,    LinearRef<uint16_t>,    LinearRef<float, true>, LinearRef<float, true>,
+    LinearRef<float, true>,
 };
 
 }  // namespace ref

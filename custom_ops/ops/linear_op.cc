@@ -19,7 +19,9 @@ namespace {
 class LinearKernelBase : public Kernel {
  public:
   explicit LinearKernelBase(const KernelInit& init)
-      : k_(*init.tables->linear), groups_(init.attrs->Int("groups")) {}
+      : k_(*init.tables->linear),
+        groups_(init.attrs->Int("groups")),
+        bf16_products_(init.attrs->String("compute") == "bf16") {}
 
   // Validates the values of a constant scale input once; Compute then skips the per-call check for that buffer.
   void CheckConstantScale(const KernelInit& init, int index) {
@@ -36,8 +38,8 @@ class LinearKernelBase : public Kernel {
 
  protected:
   // Validates x against the weight and groups, allocates y ([..., N] by the table's rule) and runs the slot for x's
-  // type.
-  void Run(ComputeContext& ctx, const WeightView& w, LinearF32Fn f32, LinearBf16Fn bf16) const {
+  // type: fp32 x takes `f32`, or `f32bf16` in the bf16 compute mode (compute="bf16").
+  void Run(ComputeContext& ctx, const WeightView& w, LinearF32Fn f32, LinearBf16Fn bf16, LinearF32Fn f32bf16) const {
     const InputView& x = ctx.Input(0);
     const int64_t k = x.dim(-1);
     const int64_t want_k = CheckedMul(groups_, w.cols, "K = groups * Kw");
@@ -61,12 +63,13 @@ class LinearKernelBase : public Kernel {
     if (x.dtype == kBFloat16) {
       bf16(x.as<uint16_t>(), m, w, groups_, static_cast<uint16_t*>(y), ctx.Par());
     } else {
-      f32(x.as<float>(), m, w, groups_, static_cast<float*>(y), ctx.Par());
+      (bf16_products_ ? f32bf16 : f32)(x.as<float>(), m, w, groups_, static_cast<float*>(y), ctx.Par());
     }
   }
 
   const LinearKernels& k_;
   const int64_t groups_;
+  const bool bf16_products_;  // compute="bf16": fp32 activations multiply as bf16 (kernels/linear.h)
   const void* checked_scale_ = nullptr;  // constant scale validated at creation
 };
 
@@ -81,7 +84,7 @@ class LinearKernel final : public LinearKernelBase {
     w.data = weight.data;
     w.rows = weight.dim(0);
     w.cols = weight.dim(1);
-    Run(ctx, w, k_.f32_dense, k_.bf16_dense);
+    Run(ctx, w, k_.f32_dense, k_.bf16_dense, k_.f32bf16_dense);
   }
 };
 
@@ -112,7 +115,7 @@ class LinearFp8Kernel final : public LinearKernelBase {
                      "[ceil(N/block_size), ceil(Kw/block_size)] for weight " + ShapeString(weight.shape) +
                          " and block_size=" + std::to_string(block_));
     CheckScale(scale);
-    Run(ctx, w, k_.f32_fp8, k_.bf16_fp8);
+    Run(ctx, w, k_.f32_fp8, k_.bf16_fp8, k_.f32bf16_fp8);
   }
 
  private:
@@ -138,7 +141,7 @@ class LinearFp4Kernel final : public LinearKernelBase {
     ExpectScaleShape(scale, {w.rows, w.cols / kFp4Block},
                      "[N, Kw/32] for weight " + ShapeString(weight.shape) + " (Kw=" + std::to_string(w.cols) + ")");
     CheckScale(scale);
-    Run(ctx, w, k_.f32_fp4, k_.bf16_fp4);
+    Run(ctx, w, k_.f32_fp4, k_.bf16_fp4, k_.f32bf16_fp4);
   }
 };
 

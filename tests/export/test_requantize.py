@@ -109,3 +109,23 @@ def test_bad_options_and_shapes(tmp_path):
     fp8 = requantize(a, convert(a, a.name, "native"), "fp8")
     assert fp8.fmt == "fp8" and fp8.scale.dims == (1, 1)
     np.testing.assert_array_equal(QN.dequant_fp8_block(fp8.weight.data, fp8.scale.data), np.ones((4, 48)))
+
+
+# ---- --compute bf16: the linears' products in bf16 (op attribute compute="bf16") ----
+
+def test_compute_bf16_export(cache, tmp_path):
+    ck = cache.checkpoint("tiny")
+    path = export_model(ck, tmp_path / "bf16", logits="all", max_seq_len=256, progress=False, compute="bf16")
+    g = onnx.load(str(path), load_external_data=False).graph
+    linears = [n for n in g.node if n.op_type.startswith("Linear")]
+    assert linears and all(onnx.helper.get_attribute_value(a) == b"bf16" for n in linears for a in n.attribute
+                           if a.name == "compute")
+    assert all(any(a.name == "compute" for a in n.attribute) for n in linears)
+    sess = Session(path.parent, intra_op_threads=1)
+    assert sess.meta["compute"] == "bf16"
+    ids = random_ids(config("tiny").vocab_size, (1, 24), seed=12)
+    ref = reference_logits(cache.reference(("tiny",)), ids)
+    err = rel_err(sess.forward(ids, sess.new_state(1)), ref)
+    assert 1e-6 < err < 2e-2  # bf16 products: a bf16-sized change, not an exact result and not a broken one
+    with pytest.raises(ExportError, match="compute"):
+        export_model(None, tmp_path / "bad", preset="tiny", compute="fp16", progress=False)

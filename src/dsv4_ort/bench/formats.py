@@ -1,11 +1,12 @@
 """Weight-format options side by side: quality against ``native`` and decode speed, in one run on one CPU.
 
 Each option is an export of the same preset weights (seed 0) with ``--head`` / ``--dense`` (see
-:func:`dsv4_ort.export.weights.requantize`). Quality is teacher-forced: both models read the same random token
+:func:`dsv4_ort.export.weights.requantize`) and ``--compute`` (fp32 or bf16 products in the linears). Quality is teacher-forced: both models read the same random token
 sequence one token at a time (decode steps, so every position's logits are compared) and we report the logit NMSE
 ``sum((l - l_native)^2) / sum(l_native^2)`` over all steps and the top-1 agreement (fraction of steps whose argmax
 equals native's). Speed is decode tokens/s after a short prompt (median of repeats), with the bytes one decode
-step reads (the bench cost model, :func:`.e2e.decode_bytes`, uniform routing estimate).
+step reads (the bench cost model, :func:`.e2e.decode_bytes`, uniform routing estimate); also an 8-row decode step
+(tokens/s over the rows) and a 128-token prefill, where the compute mode matters.
 
 usage: dsv4-ort bench --formats [--out DIR] [--threads N]   (or python -m dsv4_ort.bench.formats)
 """
@@ -21,18 +22,19 @@ from pathlib import Path
 
 import numpy as np
 
-# (head, dense) options measured, native first (the reference of the quality columns).
-OPTIONS = (("native", "native"), ("fp8", "native"), ("fp8", "fp8"), ("fp8", "fp4"), ("fp4", "fp4"))
+# (head, dense, compute) options measured, native first (the reference of the quality columns).
+OPTIONS = (("native", "native", "fp32"), ("native", "native", "bf16"), ("fp8", "native", "fp32"),
+           ("fp8", "fp8", "fp32"), ("fp8", "fp4", "fp32"), ("fp4", "fp4", "fp32"), ("fp4", "fp4", "bf16"))
 
 
-def export_option(preset: str, head: str, dense: str, max_seq_len: int, log) -> Path:
+def export_option(preset: str, head: str, dense: str, max_seq_len: int, log, compute: str = "fp32") -> Path:
     """The preset exported with one option into the bench cache (once); returns the model directory."""
     import dsv4_ort
     from dsv4_ort.export import export_model, schema
     from dsv4_ort.runtime.cli import cache_dir
     from dsv4_ort.runtime.session import ModelError, read_metadata
 
-    out = cache_dir() / "bench" / (f"{preset}-head{head}-dense{dense}-seed0-len{max_seq_len}-"
+    out = cache_dir() / "bench" / (f"{preset}-head{head}-dense{dense}-{compute}-seed0-len{max_seq_len}-"
                                    f"v{dsv4_ort.__version__}-ops{schema.TABLE_VERSION}")
     if out.is_dir():
         try:
@@ -40,10 +42,10 @@ def export_option(preset: str, head: str, dense: str, max_seq_len: int, log) -> 
             return out
         except ModelError:  # damaged or from an older format: export again
             shutil.rmtree(out)
-    log(f"  exporting {preset} with head={head} dense={dense}")
+    log(f"  exporting {preset} with head={head} dense={dense} compute={compute}")
     out.parent.mkdir(parents=True, exist_ok=True)
     export_model(None, out, preset=preset, seed=0, max_seq_len=max_seq_len, logits="last", progress=False,
-                 head=head, dense=dense)
+                 head=head, dense=dense, compute=compute)
     return out
 
 
@@ -76,6 +78,34 @@ def decode_speed(sess, prompt_len: int, steps: int, repeats: int) -> float:
     return statistics.median(rates)
 
 
+def prefill_speed(sess, tokens: int, repeats: int) -> float:
+    """Best prefill tokens/s of a ``tokens``-token prompt (batch 1)."""
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(0, sess.vocab_size, (1, tokens))
+    best = None
+    for _ in range(repeats):
+        state = sess.new_state(1)
+        t0 = time.perf_counter()
+        sess.forward(prompt, state)
+        dt = time.perf_counter() - t0
+        best = dt if best is None else min(best, dt)
+    return tokens / best
+
+
+def batch_speed(sess, batch: int, steps: int) -> float:
+    """Median decode tokens/s over all rows of a ``batch``-row step (rows after a 16-token prompt)."""
+    rng = np.random.default_rng(3)
+    state = sess.new_state(batch)
+    logits = sess.forward(rng.integers(0, sess.vocab_size, (batch, 16)), state)
+    tok = logits[:, -1].argmax(-1).reshape(batch, 1)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        tok = sess.forward(tok, state)[:, -1].argmax(-1).reshape(batch, 1)
+        times.append(time.perf_counter() - t0)
+    return batch / statistics.median(times)
+
+
 def run(presets=("tiny", "bench"), *, tokens: int = 48, steps: int = 32, repeats: int = 3,
         threads: int | None = None, log=None) -> dict:
     """Measures every option of :data:`OPTIONS` on each preset; returns {"rows": [...], "machine": {...}}."""
@@ -92,8 +122,8 @@ def run(presets=("tiny", "bench"), *, tokens: int = 48, steps: int = 32, repeats
         max_seq_len = 256
         ids = np.random.default_rng(0).integers(0, 1 << 30, tokens)
         ref = None
-        for head, dense in OPTIONS:
-            d = export_option(preset, head, dense, max_seq_len, log)
+        for head, dense, compute in OPTIONS:
+            d = export_option(preset, head, dense, max_seq_len, log, compute)
             sess = Session(d, intra_op_threads=threads)
             ids_p = ids % sess.vocab_size
             logits = teacher_forced_logits(sess, ids_p)
@@ -101,11 +131,14 @@ def run(presets=("tiny", "bench"), *, tokens: int = 48, steps: int = 32, repeats
                 ref = logits
             wc = e2e.weight_costs(e2e.inventory(d), sess.meta["config"])
             mb = e2e.decode_bytes(sess.meta, wc, context=16, batch=1, unique_experts=None)["per_token"] / 1e6
-            row = {"preset": preset, "head": head, "dense": dense, **quality(ref, logits),
-                   "decode_tok_s": round(decode_speed(sess, 16, steps, repeats), 2), "mb_per_token": round(mb, 2),
+            row = {"preset": preset, "head": head, "dense": dense, "compute": compute, **quality(ref, logits),
+                   "decode_tok_s": round(decode_speed(sess, 16, steps, repeats), 2),
+                   "batch8_tok_s": round(batch_speed(sess, 8, max(4, steps // 4)), 2),
+                   "prefill128_tok_s": round(prefill_speed(sess, 128, 2), 1), "mb_per_token": round(mb, 2),
                    "isa": sess.isa, "threads": threads}
-            log(f"  {preset:6s} head={head:6s} dense={dense:6s} nmse={row['nmse']:.2e} "
-                f"top1={row['top1_agreement']:.3f} decode={row['decode_tok_s']} tok/s {row['mb_per_token']} MB/token")
+            log(f"  {preset:6s} head={head:6s} dense={dense:6s} compute={compute} nmse={row['nmse']:.2e} "
+                f"top1={row['top1_agreement']:.3f} decode={row['decode_tok_s']} b8={row['batch8_tok_s']} "
+                f"prefill128={row['prefill128_tok_s']} tok/s {row['mb_per_token']} MB/token")
             rows.append(row)
             del sess
     import dsv4_ort
@@ -118,11 +151,13 @@ def run(presets=("tiny", "bench"), *, tokens: int = 48, steps: int = 32, repeats
 def markdown(result: dict) -> str:
     lines = [f"CPU: {result['machine']['cpu']}, {result['machine']['threads']} threads; quality teacher-forced "
              "against native on the same weights.", "",
-             "| preset | head | dense | logit NMSE | top-1 agreement | decode tok/s | MB read / token |",
-             "|---|---|---|---|---|---|---|"]
+             "| preset | head | dense | compute | logit NMSE | top-1 agreement | decode tok/s | batch 8 tok/s | "
+             "prefill 128 tok/s | MB read / token |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        lines.append(f"| {r['preset']} | {r['head']} | {r['dense']} | {r['nmse']:.2e} | {r['top1_agreement']:.3f} | "
-                     f"{r['decode_tok_s']} | {r['mb_per_token']} |")
+        lines.append(f"| {r['preset']} | {r['head']} | {r['dense']} | {r['compute']} | {r['nmse']:.2e} | "
+                     f"{r['top1_agreement']:.3f} | {r['decode_tok_s']} | {r['batch8_tok_s']} | "
+                     f"{r['prefill128_tok_s']} | {r['mb_per_token']} |")
     return "\n".join(lines) + "\n"
 
 

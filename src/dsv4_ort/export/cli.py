@@ -96,6 +96,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dense", choices=("native", "fp8", "fp4"), default="native",
                    help="the same for the dense projections (attention, compressor, indexer, shared experts; not the "
                         "routers, embedding or routed experts)")
+    p.add_argument("--compute", choices=("fp32", "bf16"), default="fp32",
+                   help="products of the linears' float32 activations: fp32 (exact; default) or bf16 (activations and "
+                        "weights rounded to bf16, fp32 sums: AVX512-BF16 / AMX-BF16 speed for prefill and batches)")
     p.add_argument("--max-seq-len", type=_positive_int, default=None, metavar="N",
                    help="state capacity in positions per row; a multiple of every compress ratio (default: "
                         "min(4096, max_position_embeddings))")
@@ -145,7 +148,8 @@ def run(args) -> int:
 
         t0 = time.perf_counter()
         path = export_model(checkpoint, out_dir, preset=args.preset, weights=args.weights, head=args.head,
-                            dense=args.dense, max_seq_len=args.max_seq_len, max_batch=args.max_batch,
+                            dense=args.dense, compute=args.compute, max_seq_len=args.max_seq_len,
+                            max_batch=args.max_batch,
                             logits=args.logits, progress=not args.quiet, seed=args.seed, state=args.state)
     except ImportError as e:
         return _fail(f"the exporter needs the 'export' extra (pip install 'dsv4-ort[export]'): {e}")

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from . import schema
 from .files import DATA_FILE, FORMAT_VERSION, META_FILE, MODEL_FILE, export_trailer
-from .graph import (ACT, BATCH, SEQ, STATE_FORMATS, DecoderGraph, GraphBuildError, Weight, input_accepts, layer_kind,
-                    make_model)
+from .graph import (ACT, BATCH, COMPUTE_MODES, SEQ, STATE_FORMATS, DecoderGraph, GraphBuildError, Weight,
+                    input_accepts, layer_kind, make_model)
 from .weights import (REQUANT_FORMATS, WEIGHT_MODES, ExternalDataWriter, WeightFormatError, convert,
                       external_initializer, requantize, release_pages, stacked_name, tensor_role)
 
@@ -180,7 +180,7 @@ def _fsync_dir(path: Path) -> None:
 def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights: str = "native",
                  max_seq_len: int | None = None, max_batch: int = DEFAULT_MAX_BATCH, logits: str = "last",
                  progress: bool = True, seed: int = 0, check: bool = True, state: str = "default",
-                 head: str = "native", dense: str = "native") -> Path:
+                 head: str = "native", dense: str = "native", compute: str = "fp32") -> Path:
     """Export a DeepSeek-V4 checkpoint (or a preset with random weights) to ONNX.
 
     Args:
@@ -203,6 +203,8 @@ def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights:
             (E2M1 + E8M0 scales per 32 inputs), quantised from the exact value (:func:`.weights.requantize`).
         dense: the same for the dense projections (attention, compressor and indexer projections, shared experts;
             not the routers, the embedding or the routed experts).
+        compute: products of the linears' fp32 activations: ``fp32`` (exact) or ``bf16`` (activations and weights
+            rounded to bf16, fp32 sums: VDPBF16PS and single-pass AMX-BF16 tiles; the op attribute ``compute``).
         progress: tqdm bar over the tensors written.
         check: run ``onnx.checker.check_model(full_check=True)`` on the graph before writing it.
     Returns:
@@ -222,6 +224,8 @@ def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights:
         raise ExportError(f"max_batch must be a positive integer, got {max_batch!r}")
     if state not in STATE_FORMATS:
         raise ExportError(f"state must be one of {STATE_FORMATS}, got {state!r}")
+    if compute not in COMPUTE_MODES:
+        raise ExportError(f"compute must be one of {COMPUTE_MODES}, got {compute!r}")
     for what, fmt in (("head", head), ("dense", dense)):
         if fmt not in REQUANT_FORMATS:
             raise ExportError(f"{what} must be one of {REQUANT_FORMATS}, got {fmt!r}")
@@ -246,7 +250,7 @@ def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights:
         writer.close()
         t_weights = time.perf_counter() - t0
 
-        dg = DecoderGraph(config, written, max_seq_len=max_seq_len, logits=logits, state=state)
+        dg = DecoderGraph(config, written, max_seq_len=max_seq_len, logits=logits, state=state, compute=compute)
         g = dg.build()
         for name in sorted({n for n in g.types} & set(writer.entries())):
             g.initializers.append(external_initializer(writer.entries()[name], DATA_FILE))
@@ -257,6 +261,7 @@ def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights:
         tok_files = [f for f in TOKENIZER_FILES if ck_dir is not None and os.path.isfile(os.path.join(ck_dir, f))]
         meta = _metadata(config, dg, g, origin, weights, formats, max_seq_len, max_batch, logits, tok_files)
         meta["weights"]["requantized"] = requant
+        meta["compute"] = compute
         meta["export_id"] = export_id
         meta["export"] = {"seconds": round(time.perf_counter() - t0, 3), "weights_seconds": round(t_weights, 3),
                           "data_bytes": writer.end}

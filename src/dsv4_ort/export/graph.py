@@ -45,6 +45,7 @@ from . import schema
 
 FLOAT, BF16, I64, U8 = (schema.ONNX_TYPES[t] for t in ("float", "bfloat16", "int64", "uint8"))
 STATE_FORMATS = ("default", "fp8")
+COMPUTE_MODES = ("fp32", "bf16")  # products of the linears' fp32 activations (op attribute "compute")
 ACT = FLOAT  # activation and state dtype of the exported graph
 OPSET = 21
 IR_VERSION = 10  # opset 21 needs IR 10; onnxruntime 1.21 reads IR <= 10
@@ -279,12 +280,14 @@ def state_tensors(config, max_seq_len: int, state: str = "default") -> list[Stat
 class DecoderGraph:
     """Builds the decoder graph from the config and the written weights (``weights``: name -> :class:`Weight`)."""
 
-    def __init__(self, config, weights: dict, *, max_seq_len: int, logits: str = "last", state: str = "default"):
+    def __init__(self, config, weights: dict, *, max_seq_len: int, logits: str = "last", state: str = "default",
+                 compute: str = "fp32"):
         self.c = config
         self.w = weights
         self.max_seq_len = max_seq_len
         self.logits_mode = logits
         self.state_format = state
+        self.compute = compute
         self.g = GraphBuilder()
         self.state = state_tensors(config, max_seq_len, state)
 
@@ -308,15 +311,16 @@ class DecoderGraph:
         w = self._w(weight)
         outputs = {"y": out}
         grp = groups if groups != 1 else None
+        compute = self.compute if self.compute != "fp32" else None  # the attribute's default is fp32
         if w.fmt == "fp8":
             if w.block[0] != w.block[1]:
                 raise GraphBuildError(f"{weight}: FP8 blocks {w.block} are not square; export with --weights bf16")
             return self.g.custom("LinearFp8", {"x": x, "weight": w.name, "scale": w.scale}, outputs, out,
-                                 groups=grp, block_size=int(w.block[0]))[0]
+                                 groups=grp, block_size=int(w.block[0]), compute=compute)[0]
         if w.fmt == "fp4":
             return self.g.custom("LinearFp4", {"x": x, "weight": w.name, "scale": w.scale}, outputs, out,
-                                 groups=grp)[0]
-        return self.g.custom("Linear", {"x": x, "weight": w.name}, outputs, out, groups=grp)[0]
+                                 groups=grp, compute=compute)[0]
+        return self.g.custom("Linear", {"x": x, "weight": w.name}, outputs, out, groups=grp, compute=compute)[0]
 
     def rms_norm(self, x: str, weight: str | None, out: str) -> str:
         ins = {"x": x, "weight": self._w(weight).name if weight else None}

@@ -469,6 +469,28 @@ KT_TEST(linear_split_bf16x3) {
   }
 }
 
+// The bf16 compute mode (linear.h, f32bf16_* slots): each level's blocks (rows, panels / tiles, the emulated AMX
+// tiles) through RunLinearBf16Products against the reference slot, every format, decode and prefill row counts.
+void TestBf16Products(const std::string& name, const dsv4::LinearBlocks& blocks, IsaLevel needs) {
+  dsv4_test::RequireIsa(needs);
+  Rng rng(4242);
+  const dsv4_test::ThreadParallel threads(3);
+  for (Fmt fmt : kFormats) {
+    const bool fp4 = fmt == Fmt::kFp4, fp8 = fmt == Fmt::kFp8E8m0 || fmt == Fmt::kFp8F32;
+    const dsv4::LinearKernels& r = dsv4::ref::kLinear;
+    const dsv4::LinearF32Fn ref = fp8 ? r.f32bf16_fp8 : fp4 ? r.f32bf16_fp4 : r.f32bf16_dense;
+    for (int64_t m : {1, 5, 17, 40}) {
+      for (int64_t groups : {1, 2}) {
+        Problem p = MakeProblem(rng, ActType::kF32, fmt, m, 38, fp4 ? 320 : 300, groups, 32);
+        std::vector<float> want(p.m * p.w.view.rows), got(p.m * p.w.view.rows, -7.0f);
+        ref(p.x32.data(), p.m, p.w.view, p.groups, want.data(), dsv4::SerialParallel());
+        dsv4::RunLinearBf16Products(blocks, p.x32.data(), p.m, p.w.view, p.groups, got.data(), threads.Get());
+        ExpectMatches(name + " bf16 products " + Describe(p, fmt), p, got, want, 1.0);
+      }
+    }
+  }
+}
+
 const bool kRegistered = [] {
   for (const Variant& v : Variants()) {
     for (ActType act : {ActType::kF32, ActType::kBf16}) {
@@ -486,7 +508,23 @@ const bool kRegistered = [] {
 #endif
 #if DSV4_X86_VARIANTS
   kt::Register("linear_avx512_panel_passes", TestPanelPasses);
+  kt::Register("linear_avx2_bf16_products",
+               [] { TestBf16Products("avx2", dsv4::avx2::kLinearBlocks, IsaLevel::kAvx2); });
+  kt::Register("linear_avx512_bf16_products",
+               [] { TestBf16Products("avx512", dsv4::avx512::kLinearBlocks, IsaLevel::kAvx512); });
+  kt::Register("linear_avx512_panels_bf16_products", [] {
+    static const dsv4::LinearBlocks b = AllTiles(dsv4::avx512::kLinearBlocks);
+    TestBf16Products("avx512_panels", b, IsaLevel::kAvx512);
+  });
+  kt::Register("linear_amx_bf16_products",
+               [] { TestBf16Products("amx", dsv4::amx::kLinearBlocks, IsaLevel::kAmx); });
 #endif
+#if DSV4_HAVE_AMX_EMULATION
+  kt::Register("linear_amx_emu_bf16_products",
+               [] { TestBf16Products("amx_emu", dsv4::amx_emu::kLinearBlocks, IsaLevel::kScalar); });
+#endif
+  kt::Register("linear_portable_bf16_products",
+               [] { TestBf16Products("portable", dsv4::portable::kRowBlocks, IsaLevel::kScalar); });
   return true;
 }();
 

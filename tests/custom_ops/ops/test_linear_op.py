@@ -310,3 +310,52 @@ def test_quant_reference_roundtrip_sanity():
         err = (wt.dense - w).abs().max() / w.abs().max()
         assert err < rel, (fmt, float(err))
     assert quant.FP8_BLOCK == 128
+
+
+# ---- compute="bf16": fp32 activations multiplied as bf16 (x and W rounded to bf16, fp32 sums, fp32 output) ----
+
+def bf16_products_reference(x: np.ndarray, wt, groups: int) -> np.ndarray:
+    """x and the exact dequantised weight rounded to bf16 (nearest-even), products summed in float64."""
+    xr = torch.from_numpy(x).to(torch.bfloat16).double()
+    wr = wt.dense.to(torch.bfloat16).double()
+    n, kw = wr.shape
+    ng = n // groups
+    return torch.cat([xr[..., g * kw:(g + 1) * kw] @ wr[g * ng:(g + 1) * ng].T for g in range(groups)], dim=-1)
+
+
+# M = 1 (decode rows), 5 and 16 (rows path, several activation blocks), 40 (panels / AMX tiles); groups.
+BF16_COMPUTE_CASES = [((1,), 96, 70, 1), ((5,), 608, 33, 1), ((16,), 256, 129, 1), ((40,), 544, 70, 1),
+                      ((2, 3), 256, 192, 4)]
+
+
+@pytest.mark.parametrize("lead,k,n,groups", BF16_COMPUTE_CASES)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_linear_bf16_compute(isa, lead, k, n, groups, fmt):
+    rng = np.random.default_rng(k + n + groups + FORMATS.index(fmt))
+    x = rng.standard_normal((*lead, k)).astype(np.float32)
+    wt = make_weight(random_weight(rng, n, k // groups), fmt, 32, seed=n)
+    inputs = {"x": x, "weight": wt.data}
+    attrs = {"compute": "bf16"}
+    if groups != 1:
+        attrs["groups"] = groups
+    if wt.scale is not None:
+        inputs["scale"] = wt.scale
+        if fmt.startswith("fp8"):
+            attrs["block_size"] = 32
+    y = run_op("Linear" + SUFFIX[fmt], inputs, attrs, isa)[0]
+    assert y.dtype == np.float32 and y.shape == (*lead, n)
+    np.testing.assert_allclose(y, bf16_products_reference(x, wt, groups).float().numpy(), **tol("float32_reduction"))
+    # the mode changes the products: against the exact fp32 result the difference is of bf16 size, not zero
+    exact = run_op("Linear" + SUFFIX[fmt], inputs, {k_: v for k_, v in attrs.items() if k_ != "compute"}, isa)[0]
+    if x.size and fmt != "bf16":
+        assert not np.array_equal(y, exact)
+    np.testing.assert_allclose(y, exact, rtol=0, atol=0.05 * float(np.abs(exact).max(initial=1.0)))
+
+
+def test_linear_bf16_compute_leaves_bf16_activations_alone(isa):
+    rng = np.random.default_rng(3)
+    x = bf16(rng.standard_normal((4, 64)).astype(np.float32))
+    wt = make_weight(random_weight(rng, 24, 64), "bf16")
+    a = run_op("Linear", {"x": x, "weight": wt.data}, {"compute": "bf16"}, isa)[0]
+    b = run_op("Linear", {"x": x, "weight": wt.data}, {}, isa)[0]
+    np.testing.assert_array_equal(a, b)
