@@ -5,6 +5,8 @@ for sessions the tests build with their own options (optimisation levels, ORT-fo
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -62,3 +64,16 @@ def run_in_place(sess, meta: dict, prompt: np.ndarray, decode_ids) -> list:
 
 def read_meta(model_dir) -> dict:
     return json.loads((Path(model_dir) / "dsv4_ort.json").read_text())
+
+
+def convert_to_ort_format(model_onnx, out_dir) -> None:
+    """onnxruntime's converter (python -m onnxruntime.tools.convert_onnx_models_to_ort) with the library registered,
+    'Fixed' style only: the optimisations are applied before saving (the guidance for the CPU provider); 'Runtime'
+    style would also write temporary models into the source model's directory. Writes out_dir/model.ort and
+    out_dir/model.required_operators.config (the op list for minimal onnxruntime builds)."""
+    import dsv4_ort
+
+    cmd = [sys.executable, "-m", "onnxruntime.tools.convert_onnx_models_to_ort", "--optimization_style", "Fixed",
+           "--custom_op_library", dsv4_ort.get_library_path(), "--output_dir", str(out_dir), str(model_onnx)]
+    run = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr

@@ -42,13 +42,15 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
-def read_metadata(model_dir: str | os.PathLike) -> dict:
+def read_metadata(model_dir: str | os.PathLike, model_file: str = MODEL_FILE) -> dict:
+    """dsv4_ort.json of ``model_dir``, checked; ``model_file`` is the graph that must sit beside it (``model.onnx``,
+    or an ORT-format conversion such as ``model.ort``)."""
     d = Path(model_dir)
     if not d.is_dir():
         raise ModelError(f"model directory {str(d)!r} does not exist")
-    meta_path, model_path = d / META_FILE, d / MODEL_FILE
+    meta_path, model_path = d / META_FILE, d / model_file
     if not model_path.is_file() or not meta_path.is_file():
-        raise ModelError(f"{str(d)!r} is not an exported dsv4-ort model (needs {MODEL_FILE} and {META_FILE}; "
+        raise ModelError(f"{str(d)!r} is not an exported dsv4-ort model (needs {model_file} and {META_FILE}; "
                          "create one with `dsv4-ort export`)")
     try:
         meta = json.loads(meta_path.read_text())
@@ -138,6 +140,36 @@ def _check_against_graph(meta: dict, session, model_path: Path) -> None:
         raise mismatch(f"logits {meta['logits']!r} in the JSON, an output of shape {logits.shape} in the graph")
 
 
+def _ort_format_nodes(model_path: Path) -> list:
+    """The top-level nodes of an ORT-format model (a flatbuffer, what onnxruntime's convert_onnx_models_to_ort
+    writes) as objects with the fields of onnx's NodeProto that :func:`_check_node_attributes` reads (domain,
+    op_type, name, attribute[].name / .type; the flatbuffer's attribute type codes are onnx's). Read through the
+    flatbuffer classes onnxruntime ships in onnxruntime.tools, on a memory map: the file holds every weight."""
+    import mmap
+    from types import SimpleNamespace
+
+    import onnxruntime.tools.ort_format_model  # noqa: F401 - puts onnxruntime's ort_flatbuffers_py on sys.path
+    from ort_flatbuffers_py.fbs.InferenceSession import InferenceSession
+
+    def text(b) -> str:
+        return b.decode("utf-8", "replace") if b is not None else ""
+
+    with open(model_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if len(buf) < 8 or not InferenceSession.InferenceSessionBufferHasIdentifier(buf, 0):
+            raise ValueError("no ORTM file identifier")
+        graph = InferenceSession.GetRootAs(buf, 0).Model().Graph()
+        nodes = []
+        for i in range(graph.NodesLength()):
+            n = graph.Nodes(i)
+            if n is None:
+                continue
+            attrs = [SimpleNamespace(name=text(a.Name()), type=a.Type())
+                     for a in (n.Attributes(j) for j in range(n.AttributesLength())) if a is not None]
+            nodes.append(SimpleNamespace(domain=text(n.Domain()), op_type=text(n.OpType()), name=text(n.Name()),
+                                         attribute=attrs))
+    return nodes
+
+
 def _check_node_attributes(model_path: Path, domain: str) -> None:
     """Every node of the op domain has only the attributes its op declares, each of the declared type (an int where
     a float is declared is taken at its value). The library checks types and ranges itself, but onnxruntime's C API
@@ -146,15 +178,21 @@ def _check_node_attributes(model_path: Path, domain: str) -> None:
 
     from dsv4_ort.export import schema
 
-    try:
-        graph = onnx.load(str(model_path), load_external_data=False).graph
-    except Exception as e:  # noqa: BLE001 - reported as a model error
-        detail = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise ModelError(f"cannot load {model_path}: Protobuf parsing failed ({detail})") from None
+    if model_path.suffix == ".ort":
+        try:
+            nodes = _ort_format_nodes(model_path)
+        except Exception as e:  # noqa: BLE001 - a damaged flatbuffer fails in struct/index errors
+            raise ModelError(f"cannot load {model_path}: not a readable ORT-format model ({_last_line(e)})") from None
+    else:
+        try:
+            nodes = onnx.load(str(model_path), load_external_data=False).graph.node
+        except Exception as e:  # noqa: BLE001 - reported as a model error
+            detail = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise ModelError(f"cannot load {model_path}: Protobuf parsing failed ({detail})") from None
     kinds = {"int": {onnx.AttributeProto.INT}, "float": {onnx.AttributeProto.FLOAT, onnx.AttributeProto.INT},
              "string": {onnx.AttributeProto.STRING}}
     table = schema.ops()
-    for node in graph.node:
+    for node in nodes:
         if node.domain != domain:
             continue
         spec = table.get(node.op_type)
@@ -221,6 +259,9 @@ class Session:
         kernels: force kernel families to levels, like DSV4_ORT_KERNELS ("linear=avx2,indexer=scalar"; capped by
             ``isa``); default: the library's plan for this CPU (see ``families`` / ``family_source``).
         prefill_chunk: split prompts longer than this into chunks (default: no split).
+        model_file: the graph file in ``model_dir``: ``model.onnx`` (default), or an ORT-format conversion of it
+            (``model.ort``, from ``python -m onnxruntime.tools.convert_onnx_models_to_ort``; weights inside the file,
+            so the directory needs only it and dsv4_ort.json).
 
     ``tokenizer.json`` (when the model directory has one and the ``tokenizers`` package is installed) is read on
     first use (:attr:`tokenizer`, :meth:`encode`, :meth:`decode`); an unreadable one is a :class:`ModelError`
@@ -230,14 +271,20 @@ class Session:
     MAX_THREADS = 1024
 
     def __init__(self, model_dir: str | os.PathLike, *, intra_op_threads: int | None = None, isa: str | None = None,
-                 prefill_chunk: int | None = None, kernels: str | None = None):
+                 prefill_chunk: int | None = None, kernels: str | None = None, model_file: str = MODEL_FILE):
         import onnxruntime as ort
 
         import dsv4_ort
         from dsv4_ort.export import schema
 
         self.model_dir = Path(model_dir)
-        self.meta = read_metadata(model_dir)
+        if not isinstance(model_file, str):
+            raise TypeError(f"model_file must be a str, got {type(model_file).__name__}")
+        if Path(model_file).name != model_file or Path(model_file).suffix not in (".onnx", ".ort"):
+            raise ValueError(f"model_file must be a file name in the model directory ending in .onnx or .ort, got "
+                             f"{model_file!r}")
+        self.model_path = self.model_dir / model_file
+        self.meta = read_metadata(model_dir, model_file)
         if kernels is not None and not isinstance(kernels, str):
             raise TypeError(f"kernels must be a str like 'linear=avx2,indexer=scalar', got {type(kernels).__name__}")
         info = dsv4_ort.library_info(isa, kernels)
@@ -251,7 +298,7 @@ class Session:
         if have != schema.TABLE_VERSION:
             raise ModelError(f"the installed library (op table v{have}) does not match the Python package "
                              f"(v{schema.TABLE_VERSION}); reinstall dsv4-ort")
-        _check_node_attributes(self.model_dir / MODEL_FILE, info["domain"])
+        _check_node_attributes(self.model_path, info["domain"])
         self.isa = info["isa"]
         self.families = dict(info["families"])  # family -> ISA level its kernels run at in this session
         self.config = self.meta["config"]
@@ -273,11 +320,11 @@ class Session:
         with dsv4_ort.isa_cap(isa, kernels):
             dsv4_ort.register(so)
             try:
-                self.session = ort.InferenceSession(str(self.model_dir / MODEL_FILE), so,
+                self.session = ort.InferenceSession(str(self.model_path), so,
                                                     providers=["CPUExecutionProvider"])
             except Exception as e:
-                raise ModelError(f"cannot load {self.model_dir / MODEL_FILE}: {_last_line(e)}") from None
-        _check_against_graph(self.meta, self.session, self.model_dir / MODEL_FILE)
+                raise ModelError(f"cannot load {self.model_path}: {_last_line(e)}") from None
+        _check_against_graph(self.meta, self.session, self.model_path)
         self.threads = so.intra_op_num_threads
         self._tokenizer = _NOT_LOADED
 
