@@ -7,6 +7,7 @@ Commands:
   export    checkpoint (or --preset) -> model.onnx + model.onnx.data + dsv4_ort.json
   bench     machine limits, kernel and end-to-end speed against baselines (JSON + markdown, --plot charts)
   info      library path, onnxruntime version, CPU features and the ISA level chosen per kernel family
+  serve     an OpenAI-compatible HTTP server with continuous batching (needs the serve extra)
 Bad arguments, a missing or corrupt model and out-of-range ids exit with status 2 and a one-line message.
 """
 
@@ -43,6 +44,46 @@ def _cmd_info(args) -> int:
     return 0
 
 
+def _cmd_serve(args) -> int:
+    try:
+        from .serve import run
+    except ImportError as e:
+        print(f"dsv4-ort serve: error: {one_line(e)}", file=sys.stderr)
+        return 2
+    return run(args)
+
+
+def _add_serve_parser(sub, common) -> None:
+    from .runtime.cli import nonnegative_int, thread_count
+
+    def positive(text: str) -> int:
+        v = nonnegative_int(text)
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+        return v
+
+    def port(text: str) -> int:
+        v = nonnegative_int(text)
+        if v > 65535:
+            raise argparse.ArgumentTypeError(f"must be 0 (any free port) .. 65535, got {v}")
+        return v
+
+    serve = sub.add_parser("serve", parents=[common], help="OpenAI-compatible HTTP server with continuous batching")
+    serve.add_argument("model_dir", metavar="MODEL_DIR", help="a directory written by `dsv4-ort export`")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=port, default=8000, help="port (default 8000; 0: any free port)")
+    serve.add_argument("--max-batch", type=positive, default=8, help="state rows: requests decoded together "
+                                                                      "(default 8)")
+    serve.add_argument("--max-queue", type=nonnegative_int, default=64,
+                       help="requests that may wait while every row is taken; more are answered 429 (default 64)")
+    serve.add_argument("--prefill-chunk", type=positive, default=64,
+                       help="prompt tokens prefilled per engine step (default 64)")
+    serve.add_argument("--threads", type=thread_count, default=0, help="intra-op threads (default: physical cores)")
+    serve.add_argument("--api-key", default=None, metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
+    serve.set_defaults(func=_cmd_serve)
+
+
 class OneLineErrors(argparse.ArgumentParser):
     """argparse with its usage errors on one line (status 2, as before); ``--help`` still shows the usage."""
 
@@ -68,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     runtime_cli.add_parsers(sub, common)
     export_cli.add_parser(sub)
     bench_cli.add_parser(sub)  # takes its own --isa list
+    _add_serve_parser(sub, common)
     return p
 
 
@@ -110,7 +152,7 @@ def main(argv=None) -> int:
         return 130
 
 
-_COMMANDS = ("run", "generate", "export", "bench", "info")
+_COMMANDS = ("run", "generate", "export", "bench", "info", "serve")
 
 
 if __name__ == "__main__":

@@ -241,9 +241,9 @@ _LATENCY_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 class Engine:
     """Continuous batching over ``session`` (a :class:`Session`) with ``max_batch`` state rows.
 
-    ``max_queue``: requests that may wait while every row is taken (more: :class:`QueueFull`; 0: none wait). ``prefill_chunk``: prompt tokens
-    prefilled per step (the per-step prefill budget). ``tokenizer``: for text events and stop strings (default:
-    the session's)."""
+    ``max_queue``: requests that may wait while every row is taken (more: :class:`QueueFull`; 0: none wait).
+    ``prefill_chunk``: prompt tokens prefilled per step (the per-step prefill budget). ``tokenizer``: for text
+    events and stop strings (default: the session's)."""
 
     def __init__(self, session, *, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 64,
                  tokenizer=None):

@@ -1,0 +1,62 @@
+"""``dsv4-ort serve``: load the model, start the engine thread, run uvicorn until SIGINT / SIGTERM.
+
+On a signal the engine stops first, so every running stream ends with an error event and every waiting request
+with an error; uvicorn then closes the connections and the process exits with status 0.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from .app import build_app
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn that prints the address once it listens and stops the engine when asked to exit."""
+
+    def __init__(self, config, engine, model: str):
+        super().__init__(config)
+        self.engine, self.model = engine, model
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.should_exit or not self.servers:
+            return
+        host, port = self.servers[0].sockets[0].getsockname()[:2]
+        host = f"[{host}]" if ":" in host else host
+        print(f"dsv4-ort serve: {self.model} on http://{host}:{port} (OpenAI API at http://{host}:{port}/v1; "
+              f"max batch {self.engine.max_batch}, {self.engine.session.threads} threads)", flush=True)
+
+    def handle_exit(self, sig, frame) -> None:
+        # not recorded as a captured signal: uvicorn would re-raise it after the shutdown (status 130 / 143)
+        self.engine.stop("the server is shutting down", wait=False)
+        if self.should_exit:
+            self.force_exit = True
+        self.should_exit = True
+
+
+def run(args) -> int:
+    """Runs the server for the parsed ``dsv4-ort serve`` arguments; returns the exit status."""
+    from ..runtime.cli import open_session
+    from ..runtime.engine import Engine
+
+    session = open_session(args.model_dir, threads=args.threads, isa=args.isa, need_text=False)
+    engine = Engine(session, max_batch=args.max_batch, max_queue=args.max_queue,
+                    prefill_chunk=args.prefill_chunk).start()
+    model = Path(args.model_dir).resolve().name
+    app = build_app(engine, model, api_key=args.api_key)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off",
+                            timeout_graceful_shutdown=10, access_log=False)
+    server = _Uvicorn(config, engine, model)
+    try:
+        server.run()
+    finally:
+        engine.stop("the server is shutting down")
+    if not server.started:
+        print(f"dsv4-ort serve: error: could not listen on {args.host}:{args.port}", file=sys.stderr)
+        return 1
+    print("dsv4-ort serve: stopped", file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,82 @@
+"""dsv4_ort.serve.protocol and .metrics without a server: request checks, the reasoning split, Prometheus text."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("starlette", reason="dsv4_ort.serve needs starlette (pip install 'dsv4-ort[serve]')")
+pytest.importorskip("uvicorn", reason="dsv4_ort.serve needs uvicorn (pip install 'dsv4-ort[serve]')")
+
+from dsv4_ort.runtime.chat import ASSISTANT, USER  # noqa: E402
+from dsv4_ort.runtime.engine import Histogram  # noqa: E402
+from dsv4_ort.serve import metrics  # noqa: E402
+from dsv4_ort.serve.protocol import APIError, ReasoningSplitter, parse_chat, parse_completion  # noqa: E402
+
+
+def test_parse_chat():
+    p = parse_chat({"messages": [{"role": "developer", "content": "be brief"},
+                                 {"role": "user", "content": [{"type": "text", "text": "hi "},
+                                                              {"type": "text", "text": "there"}]}],
+                    "max_completion_tokens": 5, "max_tokens": 9, "temperature": 0.5, "top_k": -1, "stop": "x",
+                    "stream": True, "stream_options": {"include_usage": True},
+                    "chat_template_kwargs": {"thinking": True}}, eos=1)
+    assert p.prompt_text.endswith(f"be brief{USER}hi there{ASSISTANT}<think>") and p.thinking
+    assert p.params.max_tokens == 5 and p.params.temperature == 0.5 and p.params.top_k == 0
+    assert p.params.stop == ("x",) and p.params.stop_ids == (1,) and p.stream and p.include_usage
+    q = parse_chat({"messages": [{"role": "user", "content": "a"}], "ignore_eos": True,
+                    "stop_token_ids": [7], "thinking": {"type": "disabled"}}, eos=1)
+    assert q.params.stop_ids == (7,) and not q.thinking and q.params.temperature == 1.0
+
+
+@pytest.mark.parametrize("body, param", [({"messages": "x"}, "messages"),
+                                         ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
+                                         ({"messages": [{"role": "user", "content": "x"}], "thinking": "yes"},
+                                          "thinking"),
+                                         ({"messages": [{"role": "user", "content": "x"}], "top_k": 1.5}, "top_k"),
+                                         ({"messages": [{"role": "user", "content": "x"}],
+                                           "stream_options": {"include_usage": 1}}, "stream_options"),
+                                         ({"messages": [{"role": "user", "content": "x"}],
+                                           "presence_penalty": 0.5}, "presence_penalty")])
+def test_parse_chat_errors(body, param):
+    with pytest.raises(APIError) as e:
+        parse_chat(body, eos=1)
+    assert e.value.status == 400 and e.value.param == param and e.value.body()["error"]["message"]
+
+
+def test_parse_completion():
+    assert parse_completion({"prompt": ["text"]}, eos=None).prompt_text == "text"
+    assert parse_completion({"prompt": [[1, 2]]}, eos=None).prompt_ids == [1, 2]
+    assert parse_completion({"prompt": [1, 2], "presence_penalty": 0}, eos=None).params.stop_ids == ()
+    with pytest.raises(APIError, match="one prompt"):
+        parse_completion({"prompt": [[1], [2]]}, eos=None)
+    with pytest.raises(APIError, match="only n=1"):
+        parse_completion({"prompt": [1], "n": 3}, eos=None)
+
+
+def test_reasoning_splitter():
+    s = ReasoningSplitter(True)
+    pieces = [s.feed(t) for t in ["let me ", "think </", "thi", "nk> the ", "answer"]]
+    assert "".join(r for r, _ in pieces) == "let me think "
+    assert "".join(c for _, c in pieces) == " the answer"
+    assert pieces[1] == ("think ", "")  # "</" held back until decided
+    s = ReasoningSplitter(True)
+    assert s.feed("no end <") == ("no end ", "") and s.feed("", final=True) == ("<", "")
+    assert ReasoningSplitter(False).feed("</think> x") == ("", "</think> x")
+
+
+def test_metrics_text():
+    h = Histogram((0.1, 1.0))
+    for v in (0.05, 0.5, 5.0):
+        h.observe(v)
+    text = metrics.render({"requests": {"stop": 2, "length": 1}, "prompt_tokens": 10, "completion_tokens": 20,
+                           "steps": 7, "queue_depth": 3, "running": 2, "max_batch": 4, "ttft": h.snapshot(),
+                           "itl": Histogram((0.1,)).snapshot()}, {("/v1/completions", 200): 3})
+    lines = text.splitlines()
+    assert 'dsv4_ort_requests_total{finish_reason="length"} 1' in lines
+    assert 'dsv4_ort_time_to_first_token_seconds_bucket{le="0.1"} 1' in lines
+    assert 'dsv4_ort_time_to_first_token_seconds_bucket{le="1.0"} 2' in lines
+    assert 'dsv4_ort_time_to_first_token_seconds_bucket{le="+Inf"} 3' in lines
+    assert "dsv4_ort_time_to_first_token_seconds_count 3" in lines
+    assert "dsv4_ort_batch_occupancy 0.5" in lines and "dsv4_ort_queue_depth 3" in lines
+    assert 'dsv4_ort_http_requests_total{path="/v1/completions",status="200"} 3' in lines
+    assert "# TYPE dsv4_ort_inter_token_latency_seconds histogram" in lines

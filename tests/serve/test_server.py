@@ -1,0 +1,73 @@
+"""`dsv4-ort serve` as a process: SIGTERM / SIGINT end running streams with an error event and exit 0; the
+one-line errors of a missing extra and of bad arguments."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+for _mod in ("starlette", "uvicorn", "httpx"):
+    pytest.importorskip(_mod, reason=f"the server tests need {_mod} (pip install 'dsv4-ort[serve,test]')")
+
+import httpx  # noqa: E402
+from model_fixtures import require_library  # noqa: E402
+from serverutil import ServerProcess  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model(cache):
+    require_library()
+    return cache.export(("tiny",), logits="last", max_seq_len=1024).parent
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_ends_running_streams_with_an_error_and_exits_cleanly(model, sig):
+    srv = ServerProcess(model, "--max-batch", "2")
+    try:
+        with httpx.Client(timeout=60) as c:
+            body = {"prompt": [3, 4], "max_tokens": 1000, "stream": True, "ignore_eos": True}
+            with c.stream("POST", srv.url + "/v1/completions", json=body) as resp:
+                lines = resp.iter_lines()
+                assert next(ln for ln in lines if ln.startswith("data: ")).startswith('data: {"id"')
+                srv.proc.send_signal(sig)
+                rest = [ln for ln in lines if ln.startswith("data: ")]
+        events = [json.loads(ln[6:]) for ln in rest if ln != "data: [DONE]"]
+        assert rest[-1] == "data: [DONE]"
+        assert "shutting down" in events[-1]["error"]["message"]
+        assert events[-1]["error"]["type"] == "server_error"
+        assert srv.proc.wait(timeout=60) == 0, "".join(srv.stderr)
+        assert "stopped" in "".join(srv.stderr)
+    finally:
+        srv.stop()
+
+
+def _cli(*args, code: str | None = None, timeout: float = 120):
+    exe = [sys.executable, "-P", "-c", code or "import sys; from dsv4_ort.cli import main; sys.exit(main())"]
+    return subprocess.run(exe + list(args), capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+
+
+def test_missing_extra_is_a_one_line_error(model):
+    # starlette made unimportable, as in an installation without the serve extra
+    code = "import sys; sys.modules['starlette'] = None; from dsv4_ort.cli import main; sys.exit(main())"
+    r = _cli("serve", str(model), code=code)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and "serve extra" in r.stderr and "pip install" in r.stderr
+
+
+@pytest.mark.parametrize("args, what", [(["--port", "70000"], "--port"), (["--max-batch", "0"], "--max-batch"),
+                                        (["--prefill-chunk", "x"], "--prefill-chunk"),
+                                        (["--max-queue", "-1"], "--max-queue")])
+def test_bad_arguments(model, args, what):
+    r = _cli("serve", str(model), *args)
+    assert r.returncode == 2 and what in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_missing_model_dir(tmp_path):
+    r = _cli("serve", str(tmp_path / "nothing"))
+    assert r.returncode == 2 and "does not exist" in r.stderr and r.stderr.count("\n") == 1
