@@ -43,8 +43,12 @@ def cache_env(tmp_path_factory):
 def test_run_exports_once_then_reuses(cache_env):
     r = dsv4("run", env=cache_env)
     assert r.returncode == 0, r.stderr
-    assert "exporting the built-in tiny model" in r.stderr
+    assert "exporting the built-in demo model" in r.stderr
     assert "generated ids: [" in r.stdout and "tokens/s" in r.stdout and "isa: " in r.stdout
+    # the built-in model carries DeepSeek-V4's tokenizer: its prompt and output are text
+    assert "prompt: 'Hello' (ids [" in r.stdout
+    text = [line for line in r.stdout.splitlines() if line.startswith("text: ")]
+    assert text and len(text[0]) > len("text: ")
     again = dsv4("run", "--isa", "scalar", env=cache_env)
     assert again.returncode == 0, again.stderr
     assert "exporting" not in again.stderr and "isa: scalar" in again.stdout
@@ -352,3 +356,17 @@ def test_checkpoint_key_reads_samples_of_a_large_shard(tmp_path):
     (ck / "config.json").write_text('{"a": 1}')
     assert checkpoint_key(ck) not in (base, changed)
     assert SAMPLES * SAMPLE_BYTES < st.st_size - data_start  # the shard really is sampled, not read whole
+
+
+def test_generate_streams_text_that_decodes_the_ids(tmp_path, capsys):
+    """`generate --prompt` writes text as it is produced; the pieces add up to the decoded ids (no multi-byte
+    character split between pieces: a split one would show as U+FFFD where the whole decode has none)."""
+    from dsv4_ort.export import export_model
+    from dsv4_ort.runtime import Session
+
+    model = export_model(None, tmp_path / "demo", preset="demo", max_seq_len=128, progress=False).parent
+    code, out, _ = cli(capsys, "generate", str(model), "--prompt", "数学 Grüße", "--max-new-tokens", "24", "--quiet")
+    assert code == 0
+    sess = Session(model, intra_op_threads=1)
+    ids = sess.generate(sess.encode("数学 Grüße"), 24)
+    assert out == sess.tokenizer.decode(ids, skip_special_tokens=False) + "\n"

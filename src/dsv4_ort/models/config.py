@@ -309,7 +309,8 @@ class DeepseekV4Config:
 
     @classmethod
     def from_preset(cls, name: str) -> "DeepseekV4Config":
-        """One of :data:`PRESETS`: ``flash``, ``pro`` (released shapes), ``tiny`` (tests), ``bench``."""
+        """One of :data:`PRESETS`: ``flash``, ``pro`` (released shapes), ``tiny`` (tests), ``bench``, ``demo`` (tiny
+        with the released vocabulary)."""
         if name not in PRESETS:
             raise ValueError(f"DeepseekV4Config.from_preset: unknown preset {name!r}; choose from {sorted(PRESETS)}")
         return cls.from_dict(PRESETS[name])
@@ -396,4 +397,8 @@ _BENCH: dict[str, Any] = {
     "max_position_embeddings": 65536,
 }
 
-PRESETS: dict[str, dict[str, Any]] = {"flash": _FLASH, "pro": _PRO, "tiny": _TINY, "bench": _BENCH}
+# The built-in demo model of `dsv4-ort run`: the tiny geometry with the released vocabulary (129280), so that its
+# export carries DeepSeek-V4's tokenizer and the demo prints text (random weights: the text is noise).
+_DEMO: dict[str, Any] = {**_TINY, "vocab_size": 129280}
+
+PRESETS: dict[str, dict[str, Any]] = {"flash": _FLASH, "pro": _PRO, "tiny": _TINY, "bench": _BENCH, "demo": _DEMO}

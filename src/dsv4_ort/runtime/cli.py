@@ -12,8 +12,11 @@ import stat
 import sys
 from pathlib import Path
 
-# The built-in demo: the deterministic `tiny` preset and a fixed prompt of token ids (its vocabulary has no text).
-DEMO_PRESET = "tiny"
+from .engine import Detokenizer
+
+# The built-in demo: the deterministic `demo` preset (the tiny geometry with the released vocabulary, so its export
+# carries DeepSeek-V4's tokenizer and prints text) and, for models without a tokenizer, a fixed prompt of ids.
+DEMO_PRESET = "demo"
 DEMO_SEED = 0
 DEMO_PROMPT = [0, 17, 42, 311, 7, 99, 256, 488, 3, 64, 128, 5]
 DEMO_NEW_TOKENS = 32
@@ -166,12 +169,26 @@ def cmd_run(args) -> int:
                 print(f"the cached export {model_dir} does not load ({e}); exporting it again", file=sys.stderr)
             model_dir = ensure_export(args.checkpoint, quiet=args.quiet, force=True)
             sess = open_session(model_dir, threads=args.threads, isa=args.isa)
-    prompt = DEMO_PROMPT if args.checkpoint is None or sess.tokenizer is None else sess.encode(args.prompt)
+    if sess.tokenizer is not None:
+        prompt = sess.encode(args.prompt)
+        shown = f"prompt: {args.prompt!r} (ids {prompt})"
+    else:
+        prompt = DEMO_PROMPT
+        shown = f"prompt ids: {prompt}"
+    print(f"model: {model_dir}\nisa: {sess.isa} ({sess.threads} threads)\n{shown}", flush=True)
     stats: dict = {}
-    ids = list(sess.stream(prompt, args.max_new_tokens, stats=stats))
-    text = "" if sess.tokenizer is None else f"\ntext: {sess.decode(ids)!r}"
-    print(f"model: {model_dir}\nisa: {sess.isa} ({sess.threads} threads)\nprompt ids: {prompt}\n"
-          f"generated ids: {ids}{text}\n{_speeds(stats)}")
+    ids = []
+    detok = Detokenizer(sess.tokenizer) if sess.tokenizer is not None else None
+    if detok is not None:  # text as it is produced, never splitting a multi-byte character
+        sys.stdout.write("text: ")
+    for tok in sess.stream(prompt, args.max_new_tokens, stats=stats):
+        ids.append(tok)
+        if detok is not None:
+            sys.stdout.write(detok.add(tok))
+            sys.stdout.flush()
+    if detok is not None:
+        sys.stdout.write(detok.flush() + "\n")
+    print(f"generated ids: {ids}\n{_speeds(stats)}")
     return 0
 
 
@@ -203,12 +220,12 @@ def cmd_generate(args) -> int:
         prompt = sess.encode(args.prompt)
     stats: dict = {}
     stop = [int(sess.config.get("eos_token_id", 1))] if args.stop_at_eos else None
+    detok = Detokenizer(sess.tokenizer)  # incremental: a multi-byte character is written whole (ids without one)
     for tok in sess.stream(prompt, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                            top_k=args.top_k, seed=args.seed, stop_ids=stop, stats=stats):
-        piece = str(tok) if sess.tokenizer is None else sess.decode([tok])
-        sys.stdout.write(piece + (" " if sess.tokenizer is None else ""))
+        sys.stdout.write(detok.add(tok))
         sys.stdout.flush()
-    sys.stdout.write("\n")
+    sys.stdout.write(detok.flush() + "\n")
     if not args.quiet:
         print(_speeds(stats), file=sys.stderr)
     return 0
@@ -273,12 +290,12 @@ def probability(text: str) -> float:
 
 
 def add_parsers(sub, common) -> None:
-    run = sub.add_parser("run", parents=[common], help="export (once, cached) and run a model: the built-in tiny "
-                                                         "model by default")
+    run = sub.add_parser("run", parents=[common], help="export (once, cached) and run a model: the built-in demo "
+                                                         "model (tiny, with DeepSeek-V4's tokenizer) by default")
     run.add_argument("--checkpoint", default=None, metavar="DIR", help="a DeepSeek-V4 checkpoint instead of the "
-                                                                       "built-in tiny model (or a model directory "
+                                                                       "built-in demo model (or a model directory "
                                                                        "written by `dsv4-ort export`, run as it is)")
-    run.add_argument("--prompt", default="Hello", help="prompt text (checkpoints with a tokenizer)")
+    run.add_argument("--prompt", default="Hello", help="prompt text (models with a tokenizer; default 'Hello')")
     run.add_argument("--max-new-tokens", type=nonnegative_int, default=DEMO_NEW_TOKENS)
     run.add_argument("--threads", type=thread_count, default=0, help="intra-op threads (default: physical cores)")
     run.add_argument("--quiet", action="store_true")
