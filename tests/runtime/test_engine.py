@@ -162,6 +162,15 @@ def test_long_prompt_prefills_in_chunks_beside_decoding(session):
     assert run_all(eng, [short, long])[1]["tokens"] == session.generate(long.prompt, 3)
 
 
+def test_short_prompts_share_a_steps_prefill_budget(session):
+    """Whole chunks of several prompts fill one step's budget (5 + 5 + 5 <= 16; the fourth waits a step)."""
+    eng = Engine(session, max_batch=4, prefill_chunk=CHUNK)
+    reqs = [eng.submit([3 + i] * 5, SamplingParams(max_tokens=4)) for i in range(4)]
+    eng.step()
+    assert [r.events.qsize() for r in reqs] == [1, 1, 1, 0]
+    assert [r["tokens"] for r in run_all(eng, reqs)] == [session.generate([3 + i] * 5, 4) for i in range(4)]
+
+
 # ---- request life cycle ----------------------------------------------------------------------------------------
 
 def test_cancel_frees_the_row_within_one_step(session):

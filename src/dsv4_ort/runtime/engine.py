@@ -12,8 +12,8 @@ to row k, a finished decoding request's row is refilled by the last decoding row
 decoding rows stay contiguous; a freed row is reused at once with its position reset to 0.
 
 Per step (:meth:`Engine.step`): cancelled requests leave, waiting requests take free rows, one decode call runs
-over rows ``[0, k)``, then one prefill chunk (the oldest prefilling request's next ``prefill_chunk`` tokens) runs
-on its row. Chunk boundaries are multiples of ``prefill_chunk`` from position 0, whatever else runs, so a
+over rows ``[0, k)``, then prefill chunks of the oldest prefilling requests run, each on its row, up to
+``prefill_chunk`` tokens in all (at least one chunk). Chunk boundaries are multiples of ``prefill_chunk`` from position 0, whatever else runs, so a
 request's prefill is the same computation alone or beside others; its decode steps differ only in how many rows
 share the call (the kernels of the Linear and MoE expert families at the AVX2 / AVX512 levels pick their inner
 loop by the number of rows, so their float32 rounding, and rarely a greedy choice, can depend on it; the scalar
@@ -384,8 +384,15 @@ class Engine:
             self._prefilling.append(req)
         if self._decoding:
             self._decode()
-        if self._prefilling:
-            self._prefill(self._prefilling[0])
+        # prefill budget: whole chunks of the oldest prefilling requests, up to prefill_chunk tokens (at least one
+        # chunk); a chunk is never cut to fit, so its boundaries stay multiples of prefill_chunk
+        used = 0
+        for req in list(self._prefilling):
+            n = min(self.prefill_chunk, int(req.prompt.shape[0]) - req.prefilled)
+            if used and used + n > self.prefill_chunk:
+                break
+            self._prefill(req)
+            used += n
 
     def _view(self, start: int, stop: int):
         key = (start, stop)

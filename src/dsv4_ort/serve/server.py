@@ -7,6 +7,7 @@ with an error; uvicorn then closes the connections and the process exits with st
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 
 import uvicorn
@@ -31,8 +32,11 @@ class _Uvicorn(uvicorn.Server):
               f"max batch {self.engine.max_batch}, {self.engine.session.threads} threads)", flush=True)
 
     def handle_exit(self, sig, frame) -> None:
-        # not recorded as a captured signal: uvicorn would re-raise it after the shutdown (status 130 / 143)
-        self.engine.stop("the server is shutting down", wait=False)
+        # not recorded as a captured signal: uvicorn would re-raise it after the shutdown (status 130 / 143).
+        # The engine is stopped from another thread: this handler runs on the main thread, which may hold the
+        # engine's lock at this moment (submit, metrics), and that lock is not reentrant.
+        threading.Thread(target=self.engine.stop, args=("the server is shutting down",), kwargs={"wait": False},
+                         daemon=True).start()
         if self.should_exit:
             self.force_exit = True
         self.should_exit = True
