@@ -27,4 +27,5 @@ def test_runtime_suite_passes_under_the_cap(level, tmp_path):
     assert f"ISA levels tested: {', '.join(available_isa_levels()[: available_isa_levels().index(level) + 1])}" \
         in out, out[:2000]
     summary = out.strip().splitlines()[-1]
-    assert re.search(r"\d+ passed", summary) and "failed" not in summary and "skipped" not in summary, summary
+    # known failures (xfail) are allowed; failures, errors and skips are not
+    assert re.search(r"\d+ passed", summary) and not re.search(r"\b\d+ (failed|skipped|errors?)\b", summary), summary
