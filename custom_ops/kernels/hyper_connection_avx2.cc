@@ -1,9 +1,9 @@
 // AVX2 mHC kernels (hyper_connection.h): HcPre, HcPost and HcHead for fp32 and bf16 activations, fp32 math. They
 // must match hyper_connection_ref.cc within fp32 rounding (the tests bound the difference); pre/post/comb come from
 // the shared ref::HcPreWeights / ref::HcHeadWeights, so they differ from the reference only through the mixes.
-// Needs AVX2 + FMA. The algorithm is hyper_connection_simd.inc; this file is its 8-lane vector layer (tails through
-// maskload / a bounce buffer) and blocking: token tiles of 2, 256-column blocks, row groups sized for the 16 ymm
-// registers.
+// Needs AVX2 + FMA. The algorithm is hyper_connection_simd.inc on the 8-lane vector layer of simd_avx2.inc (tails
+// through maskload / a bounce buffer); this file includes both and sets the blocking: token tiles of 2, 256-column
+// blocks, row groups sized for the 16 ymm registers.
 #include "custom_ops/kernels/isa_prelude.h"
 
 #include <cassert>

@@ -1,10 +1,10 @@
 // AVX512 mHC kernels (hyper_connection.h): HcPre, HcPost and HcHead for fp32 and bf16 activations, fp32 math. They
 // must match hyper_connection_ref.cc within fp32 rounding (the tests bound the difference); pre/post/comb come from
 // the shared ref::HcPreWeights / ref::HcHeadWeights, so they differ from the reference only through the mixes.
-// Needs AVX512F/BW/VL/DQ (the "avx512" level); bf16 narrowing is done with integer ops rather than vcvtneps2bf16,
-// which flushes subnormals and so would not match bf16.h bit for bit. The algorithm is hyper_connection_simd.inc;
-// this file is its 16-lane vector layer (masked tails) and blocking: column blocks of 512 (24 x 2 KiB of fn), token
-// tiles of 4, row groups sized for the 32 zmm registers.
+// Needs AVX512F/BW/VL/DQ (the "avx512" level). The algorithm is hyper_connection_simd.inc on the 16-lane vector
+// layer of simd_avx512.inc (masked tails; its bf16 narrowing uses integer ops rather than vcvtneps2bf16, which
+// flushes subnormals and so would not match bf16.h bit for bit); this file includes both and sets the blocking:
+// column blocks of 512 (24 x 2 KiB of fn), token tiles of 4, row groups sized for the 32 zmm registers.
 #include "custom_ops/kernels/isa_prelude.h"
 
 #include <cassert>

@@ -62,47 +62,20 @@ void ConfigureTiles() {
   TileLoadConfig(cfg);
 }
 
-#if !defined(DSV4_AMX_EMULATION)
-// r[i][j] -> r[j][i] for a 16 x 16 block of 32-bit elements.
-void Transpose16(__m512 r[16]) {
-  __m512 t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    u[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
-    u[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
-    u[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    u[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-  }
-  // u[4a + m] lane k holds rows 4a..4a+3 of column 4k + m.
-  for (int m = 0; m < 4; ++m) {
-    const __m512 v0 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0x88), w0 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0x88);
-    const __m512 v1 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0xDD), w1 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0xDD);
-    r[m] = _mm512_shuffle_f32x4(v0, w0, 0x88);
-    r[8 + m] = _mm512_shuffle_f32x4(v0, w0, 0xDD);
-    r[4 + m] = _mm512_shuffle_f32x4(v1, w1, 0x88);
-    r[12 + m] = _mm512_shuffle_f32x4(v1, w1, 0xDD);
-  }
-}
-#endif
-
 // qt[k2][h][2] = (q[h][2 k2], q[h][2 k2 + 1]) for h < count, 0 for padding heads and channels >= D.
 void PackQt(const uint16_t* q_rows, int64_t count, const Geometry& g, uint16_t* qt) {
 #if !defined(DSV4_AMX_EMULATION)
   // 16 heads x 16 channel pairs at a time: one 64-byte row per head, transposed as 32-bit elements.
   for (int64_t h0 = 0; h0 < g.HGp; h0 += 16) {
     for (int64_t d0 = 0; d0 < g.Dp; d0 += 32) {
-      __m512 r[16];
+      __m512i r[16];
       const int64_t width = MinI(32, MaxI(0, g.D - d0));
       const __mmask32 m = width >= 32 ? ~__mmask32{0} : ((__mmask32{1} << width) - 1);
       for (int h = 0; h < 16; ++h) {
-        r[h] = h0 + h < count ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(m, q_rows + (h0 + h) * g.D + d0))
-                              : _mm512_setzero_ps();
+        r[h] = h0 + h < count ? _mm512_maskz_loadu_epi16(m, q_rows + (h0 + h) * g.D + d0) : _mm512_setzero_si512();
       }
       Transpose16(r);
-      for (int k = 0; k < 16; ++k) _mm512_storeu_ps(qt + ((d0 / 2 + k) * g.HGp + h0) * 2, r[k]);
+      for (int k = 0; k < 16; ++k) _mm512_storeu_si512(qt + ((d0 / 2 + k) * g.HGp + h0) * 2, r[k]);
     }
   }
 #else
@@ -219,13 +192,14 @@ void TransposeBlock(const float* Lrows, int64_t nvalid, const Geometry& g, int64
 #if !defined(DSV4_AMX_EMULATION)
   for (int64_t h0 = 0; h0 < g.HGp; h0 += 16) {
     for (int64_t jb = 0; jb < kTileKeys; jb += 16) {
-      __m512 r[16];
+      __m512i r[16];
       for (int j = 0; j < 16; ++j) {
-        r[j] = jb + j < nvalid ? _mm512_loadu_ps(Lrows + (jb + j) * g.HGp + h0) : _mm512_setzero_ps();
+        r[j] = jb + j < nvalid ? _mm512_castps_si512(_mm512_loadu_ps(Lrows + (jb + j) * g.HGp + h0))
+                               : _mm512_setzero_si512();
       }
       Transpose16(r);
       for (int h = 0; h < 16; ++h) {
-        const __m256i b = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(r[h]), 16));
+        const __m256i b = _mm512_cvtepi32_epi16(_mm512_srli_epi32(r[h], 16));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pt + (h0 + h) * ldpt + jb), b);
       }
     }
@@ -470,10 +444,10 @@ void SplitPair3(const float* x, const float* y, int64_t n, int64_t np, uint16_t*
 void PackQtRows16(const uint16_t* rows, int64_t ld, int64_t count, int64_t h0, const Geometry& g, uint16_t* qt) {
 #if !defined(DSV4_AMX_EMULATION)
   for (int64_t d0 = 0; d0 < g.Dp; d0 += 32) {
-    __m512 r[16];
-    for (int h = 0; h < 16; ++h) r[h] = h < count ? _mm512_loadu_ps(rows + h * ld + d0) : _mm512_setzero_ps();
+    __m512i r[16];
+    for (int h = 0; h < 16; ++h) r[h] = h < count ? _mm512_loadu_si512(rows + h * ld + d0) : _mm512_setzero_si512();
     Transpose16(r);
-    for (int k = 0; k < 16; ++k) _mm512_storeu_ps(qt + ((d0 / 2 + k) * g.HGp + h0) * 2, r[k]);
+    for (int k = 0; k < 16; ++k) _mm512_storeu_si512(qt + ((d0 / 2 + k) * g.HGp + h0) * 2, r[k]);
   }
 #else
   uint32_t* dst = reinterpret_cast<uint32_t*>(qt);
@@ -631,19 +605,19 @@ struct TileQkF32 {
     const __m512i top = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
     for (int64_t h0 = 0; h0 < g.HGp; h0 += 16) {
       for (int64_t jb = 0; jb < cols; jb += 16) {
-        __m512 hi[16], mid[16], lo[16];
+        __m512i hi[16], mid[16], lo[16];  // the pieces' bits, for the 32-bit transpose
         for (int j = 0; j < 16; ++j) {
           const __m512 x = jb + j < nk ? _mm512_loadu_ps(L + (c0 + jb + j) * g.HGp + h0) : _mm512_setzero_ps();
-          hi[j] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), top));
-          const __m512 r1 = _mm512_sub_ps(x, hi[j]);
-          mid[j] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(r1), top));
-          lo[j] = _mm512_sub_ps(r1, mid[j]);
+          hi[j] = _mm512_and_si512(_mm512_castps_si512(x), top);
+          const __m512 r1 = _mm512_sub_ps(x, _mm512_castsi512_ps(hi[j]));
+          mid[j] = _mm512_and_si512(_mm512_castps_si512(r1), top);
+          lo[j] = _mm512_castps_si512(_mm512_sub_ps(r1, _mm512_castsi512_ps(mid[j])));
         }
-        __m512* piece[3] = {hi, mid, lo};
+        __m512i* piece[3] = {hi, mid, lo};
         for (int pc = 0; pc < 3; ++pc) {
           Transpose16(piece[pc]);
           for (int h = 0; h < 16; ++h) {
-            const __m256i b = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(piece[pc][h]), 16));
+            const __m256i b = _mm512_cvtepi32_epi16(_mm512_srli_epi32(piece[pc][h], 16));
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(pt[pc] + (h0 + h) * kChunk + jb), b);
           }
         }

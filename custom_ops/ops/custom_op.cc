@@ -91,10 +91,42 @@ bool ReadStringAttr(const OrtKernelInfo* info, const char* name, std::string* ou
   return true;
 }
 
+// The length of the list attribute `name` as the array readers report it (a size query: nothing is copied), or -1
+// when the reader refuses the name. onnxruntime's array readers do not check the attribute's kind: they accept an
+// attribute of any kind by that name and report the length of its list of their element type (0 when it has none).
+int64_t IntsAttrSize(const OrtKernelInfo* info, const char* name) {
+  size_t size = 0;
+  OrtStatus* s = Api().KernelInfoGetAttributeArray_int64(info, name, nullptr, &size);
+  if (s == nullptr) return static_cast<int64_t>(size);
+  Api().ReleaseStatus(s);
+  return -1;
+}
+
+int64_t FloatsAttrSize(const OrtKernelInfo* info, const char* name) {
+  size_t size = 0;
+  OrtStatus* s = Api().KernelInfoGetAttributeArray_float(info, name, nullptr, &size);
+  if (s == nullptr) return static_cast<int64_t>(size);
+  Api().ReleaseStatus(s);
+  return -1;
+}
+
+bool HasTensorAttr(const OrtKernelInfo* info, const char* name) {
+  OrtAllocator* allocator = nullptr;
+  Check(Api().GetAllocatorWithDefaultOptions(&allocator));
+  OrtValue* value = nullptr;
+  OrtStatus* s = Api().KernelInfoGetAttribute_tensor(info, name, allocator, &value);
+  if (s == nullptr) {
+    Api().ReleaseValue(value);
+    return true;
+  }
+  Api().ReleaseStatus(s);
+  return false;
+}
+
 // What an attribute the node has under `name` holds when it is not of the declared kind ("" when it is absent).
 // The C API reads attributes by name and kind only, so a node's attribute of another kind reads as absent: without
-// this check an int written for a float attribute (what onnx.helper.make_attribute does for a Python int) would
-// silently take the default.
+// this check an int written for a float attribute (what onnx.helper.make_attribute does for a Python int), a list
+// or a tensor would silently take the default.
 const char* OtherKindPresent(const OrtKernelInfo* info, const char* name, optable::AttrKind declared) {
   int64_t i = 0;
   float f = 0;
@@ -102,6 +134,11 @@ const char* OtherKindPresent(const OrtKernelInfo* info, const char* name, optabl
   if (declared != optable::AttrKind::kInt && ReadIntAttr(info, name, &i)) return "an int";
   if (declared != optable::AttrKind::kFloat && ReadFloatAttr(info, name, &f)) return "a float";
   if (declared != optable::AttrKind::kString && ReadStringAttr(info, name, &str)) return "a string";
+  if (HasTensorAttr(info, name)) return "a tensor";
+  const int64_t ints = IntsAttrSize(info, name), floats = FloatsAttrSize(info, name);
+  if (ints > 0) return "a list of ints";
+  if (floats > 0) return "a list of floats";
+  if (ints == 0 || floats == 0) return "an empty list or an attribute of another kind (strings, a graph, ...)";
   return "";
 }
 

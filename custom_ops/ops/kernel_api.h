@@ -2,9 +2,8 @@
 //
 // An op class validates what the generic glue cannot (dimension agreement between inputs, index ranges), allocates
 // its outputs (shaped by the op table's rules, evaluated by the glue) and calls the ORT-free kernels through the
-// dispatch tables. It throws OpError with a message naming
-// the input and the limit; the glue prefixes the op name and turns it into an OrtStatus. No exception ever
-// crosses the C ABI.
+// dispatch tables. It throws OpError with a message naming the input and the limit; the glue prefixes the op name
+// and turns it into an OrtStatus. No exception ever crosses the C ABI.
 #pragma once
 
 #include <cstddef>

@@ -54,7 +54,6 @@ def main(src, dst):
     codes = {name: t["code"] for name, t in elem_types}
     out.append("inline constexpr ElementType kElementTypes[] = {%s};" % ", ".join(
         "{%s, %d, %d}" % (cstr(name), t["code"], t["bytes"]) for name, t in elem_types))
-    out.append("inline constexpr int kNumElementTypes = %d;" % len(elem_types))
     out.append("")
     op_entries = []
     for op in table["ops"]:
