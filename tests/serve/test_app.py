@@ -4,6 +4,7 @@ API key, queue full, disconnects)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 import time
@@ -363,3 +364,64 @@ def test_chat_needs_a_tokenizer(one_row):
     assert r.status_code == 400 and "tokenizer" in r.json()["error"]["message"]
     r = httpx.post(one_row.url + "/v1/completions", headers=AUTH, json={"prompt": "hi"}, timeout=30)
     assert r.status_code == 400 and "token ids" in r.json()["error"]["message"]
+
+
+# ---- tool calls ---------------------------------------------------------------------------------------------------
+
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
+TOOL_MESSAGES = [{"role": "user", "content": "w3 w9 weather?"}]
+# one "word" of the word-level tokenizer: the whole DSML block the model is made to emit
+TOOL_BLOCK = ('<｜DSML｜tool_calls>\n<｜DSML｜invoke name="weather">\n'
+              '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+              "</｜DSML｜tool_calls>")
+
+
+@pytest.fixture(scope="module")
+def tool_server(cache, tmp_path_factory):
+    """The tiny model with a tokenizer in which the token the model picks greedily a few tokens into its answer
+    to TOOL_MESSAGES (with TOOLS in the prompt) decodes to TOOL_BLOCK. Yields (server, the answer's other words:
+    content before and after the block)."""
+    require_library()
+    dst = tmp_path_factory.mktemp("serve") / "tiny-tools"
+    shutil.copytree(cache.export(("tiny",), logits="last", max_seq_len=256).parent, dst)
+    tokens = vocabulary()
+    save_tokenizer(dst / "tokenizer.json", tokens)
+    sess = Session(dst, intra_op_threads=1)
+    prompt = sess.encode(format_chat(TOOL_MESSAGES, tools=TOOLS), add_special_tokens=False)
+    answer = greedy(sess, prompt, 10)
+    j = next(j for j in range(1, len(answer) - 1)
+             if answer[j] not in prompt and answer[j] > 8 and answer[j] not in answer[:j])
+    tokens[answer[j]] = TOOL_BLOCK  # a word the prompt does not hold: the prompt ids are unchanged
+    save_tokenizer(dst / "tokenizer.json", tokens)
+    sess = Session(dst, intra_op_threads=1)
+    assert sess.encode(format_chat(TOOL_MESSAGES, tools=TOOLS), add_special_tokens=False) == prompt
+    srv = ServerProcess(dst, "--max-batch", "2")
+    yield srv, " ".join((text_of(sess, answer[:j]) + " " + text_of(sess, answer[j + 1:])).split())
+    assert srv.stop() == 0, "".join(srv.stderr)
+
+
+def test_tool_calls(tool_server):
+    """The DSML block the model writes comes back as OpenAI tool_calls (whole and streamed), finish 'tool_calls';
+    without tools in the request, or with tool_choice 'none', the same text is plain content."""
+    srv, other = tool_server
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    kw = dict(model="tiny-tools", messages=TOOL_MESSAGES, max_tokens=10, temperature=0, tools=TOOLS)
+    r = client.chat.completions.create(**kw)
+    m, choice = r.choices[0].message, r.choices[0]
+    assert choice.finish_reason == "tool_calls" and " ".join(m.content.split()) == other
+    (call,) = m.tool_calls
+    assert call.type == "function" and call.function.name == "weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    streamed = [tc for d in deltas for tc in d.tool_calls or []]
+    assert len(streamed) == 1 and streamed[0].index == 0 and streamed[0].function.name == "weather"
+    assert json.loads(streamed[0].function.arguments) == {"city": "Paris"}
+    assert " ".join("".join(d.content or "" for d in deltas).split()) == other
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert all("DSML" not in (d.content or "") for d in deltas)
+    off = client.chat.completions.create(**{**kw, "tool_choice": "none"})
+    assert off.choices[0].finish_reason == "length" and not off.choices[0].message.tool_calls
+    assert TOOL_BLOCK in off.choices[0].message.content

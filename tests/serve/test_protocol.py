@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import random
+
 import pytest
 
 pytest.importorskip("starlette", reason="dsv4_ort.serve needs starlette (pip install 'dsv4-ort[serve]')")
@@ -10,7 +13,8 @@ pytest.importorskip("uvicorn", reason="dsv4_ort.serve needs uvicorn (pip install
 from dsv4_ort.runtime.chat import ASSISTANT, USER  # noqa: E402
 from dsv4_ort.runtime.engine import Histogram  # noqa: E402
 from dsv4_ort.serve import metrics  # noqa: E402
-from dsv4_ort.serve.protocol import APIError, ReasoningSplitter, parse_chat, parse_completion  # noqa: E402
+from dsv4_ort.serve.protocol import (APIError, ReasoningSplitter, ToolCallParser, parse_chat,  # noqa: E402
+                                     parse_completion)
 
 
 def test_parse_chat():
@@ -30,6 +34,7 @@ def test_parse_chat():
 
 @pytest.mark.parametrize("body, param", [({"messages": "x"}, "messages"),
                                          ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
+                                         ({"messages": [{"role": "user", "content": "x"}], "tools": [1]}, "tools"),
                                          ({"messages": [{"role": "user", "content": "x"}], "thinking": "yes"},
                                           "thinking"),
                                          ({"messages": [{"role": "user", "content": "x"}], "top_k": 1.5}, "top_k"),
@@ -80,3 +85,72 @@ def test_metrics_text():
     assert "dsv4_ort_batch_occupancy 0.5" in lines and "dsv4_ort_queue_depth 3" in lines
     assert 'dsv4_ort_http_requests_total{path="/v1/completions",status="200"} 3' in lines
     assert "# TYPE dsv4_ort_inter_token_latency_seconds histogram" in lines
+
+
+# ---- tool calls ------------------------------------------------------------------------------------------------
+
+TOOL = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+BLOCK = ("<｜DSML｜tool_calls>\n"
+         '<｜DSML｜invoke name="weather">\n<｜DSML｜parameter name="city" string="true">Pa"ris</｜DSML｜parameter>\n'
+         '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n'
+         '<｜DSML｜parameter name="at" string="false">noon</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+         '<｜DSML｜invoke name="sum">\n<｜DSML｜parameter name="xs" string="false">[1, {"a": null}]'
+         "</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>")
+WANT_CALLS = [("weather", {"city": 'Pa"ris', "days": 3, "at": "noon"}), ("sum", {"xs": [1, {"a": None}]})]
+
+
+def _feed_all(pieces, enabled=True):
+    p = ToolCallParser(enabled)
+    content, calls = "", []
+    for i, piece in enumerate(pieces):
+        c, k = p.feed(piece, final=i == len(pieces) - 1)
+        content += c
+        calls += k
+    return content, [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls], calls
+
+
+def test_tool_call_parser_any_split():
+    """Text before the block is content, the block becomes calls, whatever the feed boundaries."""
+    text = "Checking, ｜<｜ then " + BLOCK
+    rng = random.Random(0)
+    splits = [[text], list(text)] + [[text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+                                      for cuts in (sorted(rng.sample(range(1, len(text)), 9)) for _ in range(20))]
+    for pieces in splits:
+        content, calls, raw = _feed_all(pieces)
+        assert content == "Checking, ｜<｜ then " and calls == WANT_CALLS
+        assert all(c["type"] == "function" and c["id"].startswith("call_") for c in raw)
+        assert len({c["id"] for c in raw}) == 2
+
+
+def test_tool_call_parser_without_tools_or_malformed():
+    text = "a " + BLOCK
+    assert _feed_all([text], enabled=False)[:2] == (text, [])
+    broken = "a <｜DSML｜tool_calls>\n<｜DSML｜invoke oops</｜DSML｜tool_calls> b"
+    assert _feed_all([broken])[:2] == (broken, [])
+    unfinished = "a <｜DSML｜tool_calls>\n<｜DSML｜invoke name="  # cut by max_tokens: given back as text
+    assert _feed_all(list(unfinished))[:2] == (unfinished, [])
+    held = ToolCallParser(True)
+    assert held.feed("x <｜DS") == ("x ", [])  # could be the marker: held back
+    assert held.feed("ML tail", final=True) == ("<｜DSML tail", [])
+
+
+def test_parse_chat_tools():
+    p = parse_chat({"messages": [{"role": "user", "content": "q"}], "tools": [TOOL], "tool_choice": "auto"}, eos=1)
+    assert p.tools and "## Tools" in p.prompt_text and '"name": "weather"' in p.prompt_text
+    off = parse_chat({"messages": [{"role": "user", "content": "q"}], "tools": [TOOL], "tool_choice": "none"}, eos=1)
+    assert not off.tools and "## Tools" in off.prompt_text
+    hist = parse_chat({"messages": [{"role": "user", "content": "q"},
+                                    {"role": "assistant", "content": None, "tool_calls": [
+                                        {"id": "x", "type": "function",
+                                         "function": {"name": "weather", "arguments": "{}"}}]},
+                                    {"role": "tool", "tool_call_id": "x", "content": "sunny"}],
+                       "tools": [TOOL]}, eos=1)
+    assert hist.prompt_text.endswith(f"{USER}<tool_result>sunny</tool_result>{ASSISTANT}</think>")
+    for body, param in (({"tools": [{"type": "function"}]}, "tools"), ({"tools": "x"}, "tools"),
+                        ({"tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
+                        ({"messages": [{"role": "user", "content": "q"},
+                                       {"role": "assistant", "tool_calls": [{"function": {"name": 3}}]},
+                                       {"role": "tool", "content": "r"}]}, "messages")):
+        with pytest.raises(APIError) as e:
+            parse_chat({"messages": [{"role": "user", "content": "q"}], **body}, eos=1)
+        assert e.value.status == 400 and e.value.param == param

@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from ..runtime.engine import EngineStopped, PromptTooLong, QueueFull
 from . import metrics as prom
-from .protocol import (APIError, ReasoningSplitter, bad, chat_chunk, chat_response, completion_chunk,
+from .protocol import (APIError, ReasoningSplitter, ToolCallParser, bad, chat_chunk, chat_response, completion_chunk,
                        completion_response, new_id, now, parse_chat, parse_completion, usage_chunk)
 
 
@@ -153,14 +153,17 @@ class Server:
         req, events = self.submit(ids, parsed, "messages")
         rid = new_id("chatcmpl")
         split = ReasoningSplitter(parsed.thinking)
+        tools = ToolCallParser(parsed.tools)
         if not parsed.stream:
             evs = await self.collect(req, events, request)
             last = evs[-1]
             if last.finish_reason == "error":
                 raise APIError(500, f"generation failed: {last.error}", type="server_error")
             reasoning, content = split.feed("".join(e.text for e in evs), final=True)
+            content, calls = tools.feed(content, final=True)
             return JSONResponse(chat_response(rid, self.model, reasoning, content, parsed.thinking,
-                                              last.finish_reason, last.prompt_tokens, last.completion_tokens))
+                                              last.finish_reason, last.prompt_tokens, last.completion_tokens,
+                                              calls))
 
         async def body():
             created = now()
@@ -178,11 +181,16 @@ class Server:
                     if reasoning:
                         yield _sse(chat_chunk(rid, created, self.model, {"reasoning_content": reasoning}, None,
                                               parsed.include_usage))
+                    content, calls = tools.feed(content, final=final)
                     if content:
                         yield _sse(chat_chunk(rid, created, self.model, {"content": content}, None,
                                               parsed.include_usage))
+                    for n, call in enumerate(calls):  # each call whole, once its block has closed
+                        yield _sse(chat_chunk(rid, created, self.model, {"tool_calls": [{"index": n, **call}]},
+                                              None, parsed.include_usage))
                     if final:
-                        yield _sse(chat_chunk(rid, created, self.model, {}, ev.finish_reason, parsed.include_usage))
+                        finish = "tool_calls" if tools.calls else ev.finish_reason
+                        yield _sse(chat_chunk(rid, created, self.model, {}, finish, parsed.include_usage))
                         if parsed.include_usage:
                             yield _sse(usage_chunk(rid, created, self.model, "chat.completion.chunk",
                                                    ev.prompt_tokens, ev.completion_tokens))

@@ -6,12 +6,15 @@ body and raise :class:`APIError` (an OpenAI error body with its HTTP status) for
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
+import re
 import time
 import uuid
 from dataclasses import dataclass
 
+from ..runtime.chat import DSML, TOOL_CALLS_BEGIN, TOOL_CALLS_END
 from ..runtime.engine import SamplingParams, _held_back
 
 
@@ -42,6 +45,7 @@ class Parsed:
     stream: bool
     include_usage: bool
     thinking: bool = False
+    tools: bool = False  # the request has tools (and tool_choice is not "none"): parse DSML tool calls
 
 
 def _is_int(v) -> bool:
@@ -64,8 +68,7 @@ def _opt(body: dict, name: str, check, what: str, default=None):
 # Fields the OpenAI API defines that change the output and that this server does not implement: a request that
 # sets them to anything but their neutral value is refused rather than silently answered differently.
 _UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "presence_penalty": (None, 0, 0.0),
-                "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "tools": (None, []),
-                "tool_choice": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
+                "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "response_format": (None, {"type": "text"}),
                 "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "functions": (None, [])}
 
 
@@ -148,29 +151,65 @@ def _thinking(body: dict) -> bool:
     return v
 
 
+def _tools(body: dict) -> tuple:
+    """``tools`` (OpenAI function tools) and ``tool_choice`` -> (tools or None, whether calls are parsed)."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if choice not in (None, "none", "auto"):
+        raise bad("only tool_choice 'auto' and 'none' are supported (not 'required' or a named function)",
+                  param="tool_choice", code="unsupported_parameter")
+    if tools is None or tools == []:
+        return None, False
+    if not isinstance(tools, list):
+        raise bad("'tools' must be a list", param="tools")
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not (isinstance(t, dict) and t.get("type") == "function" and isinstance(fn, dict)
+                and isinstance(fn.get("name"), str) and fn["name"]):
+            raise bad(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
+                      param="tools")
+    return tools, choice != "none"
+
+
+def _message(m, i: int) -> dict:
+    """One request message -> format_chat's form (roles, text, tool calls checked)."""
+    if not isinstance(m, dict):
+        raise bad(f"messages[{i}] must be an object", param="messages")
+    role = m.get("role")
+    if role == "developer":  # the newer name of the system role
+        role = "system"
+    out = {"role": role, "content": _text_of(m.get("content"), i)}
+    calls = m.get("tool_calls")
+    if calls is not None:
+        if role != "assistant" or not isinstance(calls, list):
+            raise bad(f"messages[{i}].tool_calls must be a list on an assistant message", param="messages")
+        for c in calls:
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                    and isinstance(fn.get("arguments", ""), str)):
+                raise bad(f"messages[{i}].tool_calls: each call needs function.name and function.arguments "
+                          "(a JSON string)", param="messages")
+        out["tool_calls"] = calls
+    if role == "tool":
+        out["tool_call_id"] = m.get("tool_call_id")
+    return out
+
+
 def parse_chat(body: dict, eos: int | None) -> Parsed:
     from ..runtime.chat import format_chat
 
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list", param="messages")
-    plain = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise bad(f"messages[{i}] must be an object", param="messages")
-        role = m.get("role")
-        if role == "developer":  # the newer name of the system role
-            role = "system"
-        if m.get("tool_calls") or role == "tool":
-            raise bad("tool messages are not supported by this server", param="messages")
-        plain.append({"role": role, "content": _text_of(m.get("content"), i)})
+    plain = [_message(m, i) for i, m in enumerate(messages)]
     params, stream, include_usage = _sampling(body, eos)
     thinking = _thinking(body)
+    tools, parse_calls = _tools(body)
     try:
-        text = format_chat(plain, thinking=thinking)
+        text = format_chat(plain, thinking=thinking, tools=tools)
     except ValueError as e:
         raise bad(str(e), param="messages") from None
-    return Parsed(None, text, False, params, stream, include_usage, thinking)
+    return Parsed(None, text, False, params, stream, include_usage, thinking, parse_calls)
 
 
 def parse_completion(body: dict, eos: int | None) -> Parsed:
@@ -215,6 +254,73 @@ class ReasoningSplitter:
         return r, ""
 
 
+class ToolCallParser:
+    """Splits answer text into content and DSML tool calls (runtime/chat.py shows the markup).
+
+    :meth:`feed` takes content pieces and returns (content, calls): text before ``<｜DSML｜tool_calls>`` is content
+    (a tail that could begin the marker is held back until decided); the block itself is buffered and, once
+    ``</｜DSML｜tool_calls>`` arrives (or at ``final``), parsed into OpenAI tool calls. A block that does not parse
+    is given back as content, never an error. Disabled (no tools in the request), all text is content."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.buf = ""
+        self.in_block = False
+        self.done = False  # one block per answer; text after it is content
+        self.calls: list = []
+
+    def feed(self, text: str, final: bool = False) -> tuple:
+        if not self.enabled or self.done:
+            return text, []
+        self.buf += text
+        content = ""
+        if not self.in_block:
+            i = self.buf.find(TOOL_CALLS_BEGIN)
+            if i < 0:
+                keep = 0 if final else _held_back(self.buf, [TOOL_CALLS_BEGIN])
+                content, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+                return content, []
+            content, self.buf, self.in_block = self.buf[:i], self.buf[i:], True
+        j = self.buf.find(TOOL_CALLS_END)
+        if j < 0 and not final:
+            return content, []
+        block = self.buf if j < 0 else self.buf[:j + len(TOOL_CALLS_END)]
+        rest = "" if j < 0 else self.buf[j + len(TOOL_CALLS_END):]
+        self.buf, self.in_block, self.done = "", False, True
+        calls = parse_tool_calls(block)
+        if not calls:
+            return content + block + rest, []
+        self.calls = calls
+        return content + rest.strip(), calls
+
+
+_D = re.escape(DSML)
+_INVOKE = re.compile(rf'<{_D}invoke name="([^"]*)">\n(.*?)</{_D}invoke>', re.S)
+_PARAM = re.compile(rf'<{_D}parameter name="([^"]*)" string="(true|false)">(.*?)</{_D}parameter>', re.S)
+
+
+def parse_tool_calls(block: str) -> list:
+    """A DSML tool-call block -> OpenAI tool calls ([] when it does not parse). string="true" parameters become JSON
+    strings; string="false" values are JSON and are kept as written (a value that is not JSON becomes a string)."""
+    calls = []
+    for name, body in _INVOKE.findall(block):
+        args = []
+        for key, is_str, value in _PARAM.findall(body):
+            if is_str == "false":
+                try:
+                    json.loads(value)
+                    args.append(f"{json.dumps(key, ensure_ascii=False)}: {value}")
+                    continue
+                except ValueError:
+                    pass
+            args.append(f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}")
+        if not name:
+            return []
+        calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                      "function": {"name": name, "arguments": "{" + ", ".join(args) + "}"}})
+    return calls
+
+
 # ---- response bodies -------------------------------------------------------------------------------------------
 
 def new_id(kind: str) -> str:
@@ -231,10 +337,14 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def chat_response(rid: str, model: str, reasoning: str, content: str, thinking: bool, finish: str,
-                  prompt_tokens: int, completion_tokens: int) -> dict:
+                  prompt_tokens: int, completion_tokens: int, tool_calls: list | None = None) -> dict:
     message = {"role": "assistant", "content": content}
     if thinking:
         message["reasoning_content"] = reasoning
+    if tool_calls:
+        message["content"] = content or None
+        message["tool_calls"] = tool_calls
+        finish = "tool_calls"
     return {"id": rid, "object": "chat.completion", "created": now(), "model": model,
             "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
             "usage": usage(prompt_tokens, completion_tokens)}
