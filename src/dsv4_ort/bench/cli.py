@@ -128,6 +128,11 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="instead of the suite: the export weight options (--head / --dense) side by side, quality "
                         "against native and decode speed, on the tiny and bench presets (tiny only with --smoke); "
                         "writes formats.json + formats.md into --out")
+    p.add_argument("--serving", action="store_true",
+                   help="instead of the suite: the bench preset (tiny with --smoke) behind a dsv4-ort serve "
+                        "process on loopback with 1, 4 and 16 concurrent streaming clients: output tokens/s, TTFT "
+                        "and inter-token latency p50 / p99 (needs the serve extra); writes serving.json + "
+                        "serving.md into --out")
     return p
 
 
@@ -149,6 +154,21 @@ def cmd_bench(args) -> int:
         result = formats.run(("tiny",) if args.smoke else ("tiny", "bench"), threads=args.threads, log=log)
         formats.write(result, args.out)
         print(formats.markdown(result))
+        return 0
+    if args.serving:
+        try:
+            import starlette  # noqa: F401
+            import uvicorn  # noqa: F401
+        except ImportError:
+            print("dsv4-ort bench: serving: skipped (install '.[serve]')", file=sys.stderr)
+            return 0
+        from . import serving
+
+        log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+        result = serving.run("tiny" if args.smoke else "bench", threads=args.threads, model_dir=args.model_dir,
+                             max_tokens=8 if args.smoke else 32, log=log)
+        serving.write(result, args.out)
+        print(serving.markdown(result))
         return 0
     from .suite import run
 

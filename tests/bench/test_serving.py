@@ -1,0 +1,35 @@
+"""The serving case of ``dsv4-ort bench``: a real server on loopback, concurrent streaming clients, consistent
+figures, nothing left running; and the percentile helper."""
+
+from __future__ import annotations
+
+import pytest
+
+for _mod in ("starlette", "uvicorn"):
+    pytest.importorskip(_mod, reason=f"the serving bench needs {_mod} (pip install 'dsv4-ort[serve]')")
+
+from model_fixtures import require_library  # noqa: E402
+
+from dsv4_ort.bench import serving  # noqa: E402
+
+
+def test_percentile():
+    assert serving.percentile([3, 1, 2, 4], 50) == 2.5
+    assert serving.percentile([5], 99) == 5
+    assert serving.percentile(range(101), 99) == 99
+    assert serving.percentile([0, 10], 99) == pytest.approx(9.9)
+
+
+def test_serving_rounds_on_tiny(cache, tmp_path):
+    require_library()
+    model = cache.export(("tiny",), logits="last", max_seq_len=256).parent
+    result = serving.run("tiny", clients=(1, 2), prompt_tokens=12, max_tokens=6, threads=1, model_dir=model,
+                         log=lambda m: None, timeout=120)
+    assert result["server_exit"] == 0 and result["max_batch"] == 2
+    for row, n in zip(result["rows"], (1, 2)):
+        assert row["clients"] == n and row["output_tokens"] == n * 6  # ignore_eos: every token is generated
+        assert row["output_tok_s"] > 0 and 0 < row["ttft_ms"]["p50"] <= row["ttft_ms"]["p99"]
+        assert 0 < row["itl_ms"]["p50"] <= row["itl_ms"]["p99"]
+    serving.write(result, tmp_path)
+    md = (tmp_path / "serving.md").read_text()
+    assert "| clients | output tok/s |" in md and md.count("\n| ") == 3  # the header and two rows
