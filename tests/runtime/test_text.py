@@ -9,7 +9,7 @@ import pytest
 from model_fixtures import require_library
 
 from dsv4_ort.runtime import Session
-from dsv4_ort.runtime.chat import ASSISTANT, BOS, EOS, USER, format_chat, render_tool_calls, render_tools
+from dsv4_ort.runtime.chat import ASSISTANT, BOS, EOS, USER, format_chat
 
 SPECIALS = [BOS, EOS, USER, ASSISTANT, "<think>", "</think>"]
 
@@ -49,53 +49,6 @@ def test_format_chat():
         format_chat([{"role": "robot", "content": "x"}])
     with pytest.raises(ValueError, match="must follow an assistant message with tool_calls"):
         format_chat([{"role": "tool", "content": "x"}])
-
-
-WEATHER = {"type": "function", "function": {"name": "weather", "description": "Weather in a city",
-                                            "parameters": {"type": "object",
-                                                           "properties": {"city": {"type": "string"}}}}}
-SCHEMA = '{"name": "weather", "description": "Weather in a city", "parameters": {"type": "object", ' \
-         '"properties": {"city": {"type": "string"}}}}'
-
-
-def test_format_chat_tools_section():
-    """Tools go after the system text, or first when there is none; the schemas are the inner function objects."""
-    with_system = format_chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
-                              tools=[WEATHER])
-    section = render_tools([WEATHER])
-    assert with_system == f"{BOS}be brief\n\n{section}{USER}hi{ASSISTANT}</think>"
-    assert format_chat([{"role": "user", "content": "hi"}], tools=[WEATHER]) == f"{BOS}{section}{USER}hi{ASSISTANT}</think>"
-    assert section.startswith("## Tools\n\nYou have access to a set of tools")
-    assert f"### Available Tool Schemas\n\n{SCHEMA}\n\nYou MUST strictly follow" in section
-    assert section.endswith("parameter schemas to invoke tool calls.\n")
-
-
-def test_format_chat_tool_calls_and_results():
-    """An assistant turn's calls in DSML; the results, in call order, merged with the next user text."""
-    calls = [{"id": "a", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}},
-             {"id": "b", "type": "function", "function": {"name": "sum", "arguments": '{"xs": [1, 2], "deep": true}'}},
-             {"id": "c", "type": "function", "function": {"name": "raw", "arguments": "not json"}}]
-    text = format_chat([{"role": "user", "content": "q"},
-                        {"role": "assistant", "content": "let me see", "tool_calls": calls},
-                        {"role": "tool", "tool_call_id": "b", "content": "3"},
-                        {"role": "tool", "tool_call_id": "a", "content": "sunny"},
-                        {"role": "tool", "tool_call_id": "c", "content": "ok"},
-                        {"role": "user", "content": "thanks"}], thinking=True)
-    block = ("<｜DSML｜tool_calls>\n"
-             '<｜DSML｜invoke name="weather">\n<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
-             "</｜DSML｜invoke>\n"
-             '<｜DSML｜invoke name="sum">\n<｜DSML｜parameter name="xs" string="false">[1, 2]</｜DSML｜parameter>\n'
-             '<｜DSML｜parameter name="deep" string="false">true</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
-             '<｜DSML｜invoke name="raw">\n<｜DSML｜parameter name="arguments" string="true">not json'
-             "</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>")
-    assert text == (f"{BOS}{USER}q{ASSISTANT}</think>let me see\n\n{block}{EOS}"
-                    f"{USER}<tool_result>sunny</tool_result>\n\n<tool_result>3</tool_result>\n\n"
-                    f"<tool_result>ok</tool_result>\n\nthanks{ASSISTANT}<think>")
-    # a conversation may end with the results: the model answers after them
-    end = format_chat([{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": calls[:1]},
-                       {"role": "tool", "tool_call_id": "a", "content": "sunny"}])
-    assert end.endswith(f"</｜DSML｜tool_calls>{EOS}{USER}<tool_result>sunny</tool_result>{ASSISTANT}</think>")
-    assert render_tool_calls(calls[:1]) in end
 
 
 def test_text_round_trip_and_chat(model_dir):

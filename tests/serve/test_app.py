@@ -382,7 +382,7 @@ TOOL_BLOCK = ('<｜DSML｜tool_calls>\n<｜DSML｜invoke name="weather">\n'
 def tool_server(cache, tmp_path_factory):
     """The tiny model with a tokenizer in which the token the model picks greedily a few tokens into its answer
     to TOOL_MESSAGES (with TOOLS in the prompt) decodes to TOOL_BLOCK. Yields (server, the answer's other words:
-    content before and after the block)."""
+    content before and after the block, a Session on that model)."""
     require_library()
     dst = tmp_path_factory.mktemp("serve") / "tiny-tools"
     shutil.copytree(cache.export(("tiny",), logits="last", max_seq_len=256).parent, dst)
@@ -398,17 +398,21 @@ def tool_server(cache, tmp_path_factory):
     sess = Session(dst, intra_op_threads=1)
     assert sess.encode(format_chat(TOOL_MESSAGES, tools=TOOLS), add_special_tokens=False) == prompt
     srv = ServerProcess(dst, "--max-batch", "2")
-    yield srv, " ".join((text_of(sess, answer[:j]) + " " + text_of(sess, answer[j + 1:])).split())
+    yield srv, " ".join((text_of(sess, answer[:j]) + " " + text_of(sess, answer[j + 1:])).split()), sess
     assert srv.stop() == 0, "".join(srv.stderr)
 
 
 def test_tool_calls(tool_server):
     """The DSML block the model writes comes back as OpenAI tool_calls (whole and streamed), finish 'tool_calls';
     without tools in the request, or with tool_choice 'none', the same text is plain content."""
-    srv, other = tool_server
+    srv, other, sess = tool_server
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     kw = dict(model="tiny-tools", messages=TOOL_MESSAGES, max_tokens=10, temperature=0, tools=TOOLS)
     r = client.chat.completions.create(**kw)
+    # the tools section is in the prompt the server ran
+    with_tools = len(sess.encode(format_chat(TOOL_MESSAGES, tools=TOOLS), add_special_tokens=False))
+    assert r.usage.prompt_tokens == with_tools > len(sess.encode(format_chat(TOOL_MESSAGES),
+                                                                 add_special_tokens=False))
     m, choice = r.choices[0].message, r.choices[0]
     assert choice.finish_reason == "tool_calls" and " ".join(m.content.split()) == other
     (call,) = m.tool_calls
@@ -425,3 +429,27 @@ def test_tool_calls(tool_server):
     off = client.chat.completions.create(**{**kw, "tool_choice": "none"})
     assert off.choices[0].finish_reason == "length" and not off.choices[0].message.tool_calls
     assert TOOL_BLOCK in off.choices[0].message.content
+
+
+def test_tool_history(tool_server):
+    """A conversation carrying the model's calls and the tools' results goes through the openai client and is
+    rendered as format_chat renders it (calls as DSML, results as one user turn)."""
+    srv, _, sess = tool_server
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    kw = dict(model="tiny-tools", messages=TOOL_MESSAGES, max_tokens=10, temperature=0, tools=TOOLS)
+    first = client.chat.completions.create(**kw).choices[0].message
+    calls = [c.model_dump() for c in first.tool_calls]
+    messages = TOOL_MESSAGES + [{"role": "assistant", "content": first.content, "tool_calls": calls},
+                                {"role": "tool", "tool_call_id": calls[0]["id"], "content": "w4 sunny"}]
+    # without the tools section this time: it and the history would not fit the tiny model's 256 positions
+    want = sess.encode(format_chat(messages), add_special_tokens=False)
+    assert len(want) > len(sess.encode(format_chat(TOOL_MESSAGES), add_special_tokens=False)) + 20
+    r = client.chat.completions.create(model="tiny-tools", messages=messages, max_tokens=2, temperature=0)
+    assert r.usage.prompt_tokens == len(want) and r.usage.completion_tokens >= 1
+    assert r.choices[0].finish_reason in ("stop", "length") and not r.choices[0].message.tool_calls
+    bad = httpx.post(srv.url + "/v1/chat/completions", timeout=30,
+                     json={"messages": messages, "tools": TOOLS, "tool_choice": "required"})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "unsupported_parameter"
+    bad = httpx.post(srv.url + "/v1/chat/completions", timeout=30,
+                     json={"messages": messages[:-1] + [{"role": "tool", "content": "r"}], "tools": TOOLS})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"

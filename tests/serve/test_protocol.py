@@ -93,10 +93,13 @@ TOOL = {"type": "function", "function": {"name": "weather", "parameters": {"type
 BLOCK = ("<｜DSML｜tool_calls>\n"
          '<｜DSML｜invoke name="weather">\n<｜DSML｜parameter name="city" string="true">Pa"ris</｜DSML｜parameter>\n'
          '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n'
-         '<｜DSML｜parameter name="at" string="false">noon</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+         '<｜DSML｜parameter name="at" string="false">noon</｜DSML｜parameter>\n'
+         '<｜DSML｜parameter name="r" string="false">NaN</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
          '<｜DSML｜invoke name="sum">\n<｜DSML｜parameter name="xs" string="false">[1, {"a": null}]'
          "</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>")
-WANT_CALLS = [("weather", {"city": 'Pa"ris', "days": 3, "at": "noon"}), ("sum", {"xs": [1, {"a": None}]})]
+# string="false" values that are not JSON (noon, NaN) come back as strings, so the arguments stay strict JSON
+WANT_CALLS = [("weather", {"city": 'Pa"ris', "days": 3, "at": "noon", "r": "NaN"}),
+              ("sum", {"xs": [1, {"a": None}]})]
 
 
 def _feed_all(pieces, enabled=True):
@@ -106,32 +109,77 @@ def _feed_all(pieces, enabled=True):
         c, k = p.feed(piece, final=i == len(pieces) - 1)
         content += c
         calls += k
-    return content, [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls], calls
+    return content, [(c["function"]["name"], json.loads(c["function"]["arguments"], parse_constant=_strict))
+                     for c in calls], calls
 
 
-def test_tool_call_parser_any_split():
+def _strict(name):
+    raise AssertionError(f"{name} in arguments")
+
+
+def _splits(text: str, seed: int = 0) -> list:
+    """text whole, char by char, and cut at 20 random sets of 1-9 boundaries."""
+    rng = random.Random(seed)
+    out = [[text], list(text)]
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 9)))
+        out.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
+    return out
+
+
+@pytest.mark.parametrize("text, want_content", [
+    ("Checking, ｜<｜ then " + BLOCK, "Checking, ｜<｜ then "),
+    ("Checking.\n\n" + BLOCK, "Checking."),         # the blank line before the block belongs to it
+    ("a\n\n\n" + BLOCK + "\n", "a\n"),             # only two newlines do; blank text after the block is dropped
+    ("\n<｜DSML｜\n\n" + BLOCK + " after", "\n<｜DSML｜after"),  # text after the block: content, lstripped
+    (BLOCK, ""),
+])
+def test_tool_call_parser_any_split(text, want_content):
     """Text before the block is content, the block becomes calls, whatever the feed boundaries."""
-    text = "Checking, ｜<｜ then " + BLOCK
-    rng = random.Random(0)
-    splits = [[text], list(text)] + [[text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-                                      for cuts in (sorted(rng.sample(range(1, len(text)), 9)) for _ in range(20))]
-    for pieces in splits:
+    for pieces in _splits(text):
         content, calls, raw = _feed_all(pieces)
-        assert content == "Checking, ｜<｜ then " and calls == WANT_CALLS
+        assert (content, calls) == (want_content, WANT_CALLS), pieces
         assert all(c["type"] == "function" and c["id"].startswith("call_") for c in raw)
         assert len({c["id"] for c in raw}) == 2
 
 
-def test_tool_call_parser_without_tools_or_malformed():
-    text = "a " + BLOCK
-    assert _feed_all([text], enabled=False)[:2] == (text, [])
-    broken = "a <｜DSML｜tool_calls>\n<｜DSML｜invoke oops</｜DSML｜tool_calls> b"
-    assert _feed_all([broken])[:2] == (broken, [])
-    unfinished = "a <｜DSML｜tool_calls>\n<｜DSML｜invoke name="  # cut by max_tokens: given back as text
-    assert _feed_all(list(unfinished))[:2] == (unfinished, [])
-    held = ToolCallParser(True)
-    assert held.feed("x <｜DS") == ("x ", [])  # could be the marker: held back
-    assert held.feed("ML tail", final=True) == ("<｜DSML tail", [])
+def test_tool_call_parser_holds_back_only_what_may_be_the_marker():
+    p = ToolCallParser(True)
+    assert p.feed("x <｜DS") == ("x ", [])  # could be the marker: held back
+    assert p.feed("ML tail", final=True) == ("<｜DSML tail", [])
+    p = ToolCallParser(True)
+    assert p.feed("a\n") == ("a", []) and p.feed("\n") == ("", []) and p.feed("\n") == ("\n", [])
+    assert p.feed("b") == ("\n\nb", []) and p.feed("<", final=True) == ("<", [])
+
+
+@pytest.mark.parametrize("text", [
+    "a <｜DSML｜tool_calls>\n<｜DSML｜invoke oops</｜DSML｜tool_calls> b",
+    "a\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=",  # cut by max_tokens: given back as text, newlines included
+    # complete invokes but the block never closes
+    "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n</｜DSML｜invoke>\n",
+    # one good invoke, then text that is no invoke
+    "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n</｜DSML｜invoke>\nand more\n</｜DSML｜tool_calls>",
+    # a parameter named twice
+    ('<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n'
+     '<｜DSML｜parameter name="k" string="true">1</｜DSML｜parameter>\n'
+     '<｜DSML｜parameter name="k" string="true">2</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'),
+    # a parameter without its string flag, an invoke without a name, no invoke at all
+    ('<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="k">1</｜DSML｜parameter>\n'
+     "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"),
+    '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>',
+    "x\n\n<｜DSML｜tool_calls>\n</｜DSML｜tool_calls>",
+])
+def test_tool_call_parser_malformed_is_content(text):
+    for pieces in _splits(text, seed=1):
+        assert _feed_all(pieces)[:2] == (text, []), pieces
+
+
+def test_tool_call_parser_disabled():
+    text = "a\n\n" + BLOCK
+    for pieces in ([text], list(text)):
+        assert _feed_all(pieces, enabled=False)[:2] == (text, [])
+    p = parse_chat({"messages": [{"role": "user", "content": "q"}]}, eos=1)
+    assert not p.tools and "## Tools" not in p.prompt_text
 
 
 def test_parse_chat_tools():
@@ -146,11 +194,34 @@ def test_parse_chat_tools():
                                     {"role": "tool", "tool_call_id": "x", "content": "sunny"}],
                        "tools": [TOOL]}, eos=1)
     assert hist.prompt_text.endswith(f"{USER}<tool_result>sunny</tool_result>{ASSISTANT}</think>")
-    for body, param in (({"tools": [{"type": "function"}]}, "tools"), ({"tools": "x"}, "tools"),
-                        ({"tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
-                        ({"messages": [{"role": "user", "content": "q"},
-                                       {"role": "assistant", "tool_calls": [{"function": {"name": 3}}]},
-                                       {"role": "tool", "content": "r"}]}, "messages")):
+    # thinking with tools keeps an earlier turn's reasoning; a tool result's text parts are blank-line separated
+    think = parse_chat({"messages": [{"role": "user", "content": "q"},
+                                     {"role": "assistant", "content": "", "reasoning_content": "hmm",
+                                      "tool_calls": [{"id": "x", "type": "function",
+                                                      "function": {"name": "weather", "arguments": "{}"}}]},
+                                     {"role": "tool", "tool_call_id": "x",
+                                      "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+                        "tools": [TOOL], "thinking": True}, eos=1)
+    assert f"{USER}q{ASSISTANT}<think>hmm</think>\n\n<｜DSML｜tool_calls>" in think.prompt_text
+    assert think.prompt_text.endswith(f"{USER}<tool_result>a\n\nb</tool_result>{ASSISTANT}<think>")
+    call = {"id": "x", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
+    for body, param, code in (
+            ({"tools": [{"type": "function"}]}, "tools", None), ({"tools": "x"}, "tools", None),
+            ({"tools": [{"type": "code_interpreter", "function": {"name": "f"}}]}, "tools", None),
+            ({"tools": [TOOL], "tool_choice": "required"}, "tool_choice", "unsupported_parameter"),
+            ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "weather"}}}, "tool_choice",
+             "unsupported_parameter"),
+            ({"messages": [{"role": "user", "content": "q"},
+                           {"role": "assistant", "tool_calls": [{"function": {"name": 3}}]},
+                           {"role": "tool", "tool_call_id": "x", "content": "r"}]}, "messages", None),
+            ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [call]},
+                           {"role": "tool", "content": "r"}]}, "messages", None),  # no tool_call_id
+            ({"messages": [{"role": "user", "content": "q"}, {"role": "user", "tool_calls": [call]}]}, "messages",
+             None),
+            ({"messages": [{"role": "user", "content": "q"}, {"role": "tool", "tool_call_id": "x", "content": "r"}]},
+             "messages", None)):  # a result without a call before it
         with pytest.raises(APIError) as e:
             parse_chat({"messages": [{"role": "user", "content": "q"}], **body}, eos=1)
-        assert e.value.status == 400 and e.value.param == param
+        assert e.value.status == 400 and e.value.param == param and e.value.code == code
+        if param == "tool_choice":
+            assert "'required' or a named function" in e.value.message

@@ -9,8 +9,13 @@ tools section when the request has tools), ``<｜User｜>`` + text for user turn
 Tool calls use the model's DSML markup (:func:`render_tool_calls`); tool results have no role of their own: a run
 of ``tool`` messages, and a user message right after them, make one user turn whose blocks (``<tool_result>``
 blocks, the user's text) are joined by blank lines, the results in the order of the calls that asked for them.
-Not covered: the "max effort" instruction, reasoning kept in history turns, ``response_format`` and the
-encoder's internal task tokens.
+With tools in thinking mode the encoder keeps every earlier turn's reasoning: such a turn is
+``<｜Assistant｜><think>`` + ``reasoning_content`` (may be empty) + ``</think>`` + text; without tools, or
+without thinking, earlier turns drop their reasoning as above.
+
+Where this differs from the encoder: two user messages in a row stay two user turns (the encoder merges them
+into one, blank-line separated; kept so that plain chats render as they always have). Not covered: the "max
+effort" instruction, ``response_format`` and the encoder's internal task tokens.
 """
 
 from __future__ import annotations
@@ -99,17 +104,21 @@ def _check_content(i: int, content) -> str:
 def format_chat(messages: Sequence[dict], *, thinking: bool = False, tools: Sequence[dict] | None = None) -> str:
     """messages: [{"role": "system"|"user"|"assistant"|"tool", "content": str, ...}, ...] -> the prompt text.
 
-    An assistant message may carry OpenAI ``tool_calls``; a tool message answers one of them by ``tool_call_id``.
-    ``tools`` (OpenAI's list) is rendered after the system text, or first when there is no system message."""
+    An assistant message may carry OpenAI ``tool_calls`` (and ``reasoning_content``, rendered only in thinking mode
+    with tools); a tool message answers one of the calls by ``tool_call_id``. ``tools`` (OpenAI's list) is rendered
+    after the system text, or first when there is no system message."""
     parts = [BOS]
     if messages and messages[0].get("role") == "system":
         system = _check_content(0, messages[0].get("content"))
         parts.append(system + ("\n\n" + render_tools(tools) if tools else ""))
         rest = list(enumerate(messages))[1:]
     else:
-        if tools:  # no system message: the tools section stands where one would
+        # The encoder attaches tools to a system message. Without one, the tools section alone takes the system
+        # text's place right after BOS (no leading blank lines: there is no system text to separate it from).
+        if tools:
             parts.append(render_tools(tools))
         rest = list(enumerate(messages))
+    keep_reasoning = bool(tools) and thinking  # the encoder stops dropping history reasoning when tools are given
     order: dict = {}   # tool_call_id -> position in the last assistant turn's calls
     blocks: list = []  # the user turn being built: (sort key, text)
     last_role = None
@@ -130,7 +139,7 @@ def format_chat(messages: Sequence[dict], *, thinking: bool = False, tools: Sequ
         if role == "tool":
             if last_role not in ("assistant", "tool") or not order:
                 raise ValueError(f"message {i}: a tool message must follow an assistant message with tool_calls")
-            key = order.get(m.get("tool_call_id"), len(order))
+            key = order.get(m.get("tool_call_id"), 0)  # an unknown id sorts with the first call, as in the encoder
             blocks.append((key, f"<tool_result>{content}</tool_result>"))
         elif role == "user":
             if last_role != "tool":
@@ -141,7 +150,14 @@ def format_chat(messages: Sequence[dict], *, thinking: bool = False, tools: Sequ
             calls = m.get("tool_calls") or []
             order = {c.get("id"): n for n, c in enumerate(calls)}
             tail = "\n\n" + render_tool_calls(calls) if calls else ""
-            parts.append(ASSISTANT + "</think>" + content + tail + EOS)
+            if keep_reasoning:
+                reasoning = m.get("reasoning_content") or ""
+                if not isinstance(reasoning, str):
+                    raise ValueError(f"message {i}: reasoning_content must be a string")
+                head = "<think>" + reasoning + "</think>"
+            else:
+                head = "</think>"
+            parts.append(ASSISTANT + head + content + tail + EOS)
         else:
             raise ValueError(f"message {i}: unknown role {role!r}")
         last_role = role

@@ -68,8 +68,9 @@ def _opt(body: dict, name: str, check, what: str, default=None):
 # Fields the OpenAI API defines that change the output and that this server does not implement: a request that
 # sets them to anything but their neutral value is refused rather than silently answered differently.
 _UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "presence_penalty": (None, 0, 0.0),
-                "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "response_format": (None, {"type": "text"}),
-                "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "functions": (None, [])}
+                "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
+                "response_format": (None, {"type": "text"}), "best_of": (None, 1), "echo": (None, False),
+                "suffix": (None, ""), "functions": (None, [])}
 
 
 def _sampling(body: dict, eos: int | None) -> tuple:
@@ -115,8 +116,8 @@ def _sampling(body: dict, eos: int | None) -> tuple:
     return params, stream, include_usage
 
 
-def _text_of(content, i: int) -> str:
-    """A message's content: a string, null, or a list of {"type": "text", "text": ...} parts."""
+def _text_of(content, i: int, sep: str = "") -> str:
+    """A message's content: a string, null, or a list of {"type": "text", "text": ...} parts (joined by sep)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -127,7 +128,7 @@ def _text_of(content, i: int) -> str:
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 raise bad(f"messages[{i}].content: only text parts are supported", param="messages")
             out.append(part["text"])
-        return "".join(out)
+        return sep.join(out)
     raise bad(f"messages[{i}].content must be a string or a list of text parts", param="messages")
 
 
@@ -178,7 +179,8 @@ def _message(m, i: int) -> dict:
     role = m.get("role")
     if role == "developer":  # the newer name of the system role
         role = "system"
-    out = {"role": role, "content": _text_of(m.get("content"), i)}
+    # a tool result's text parts are blank-line separated, as the encoder joins them
+    out = {"role": role, "content": _text_of(m.get("content"), i, "\n\n" if role == "tool" else "")}
     calls = m.get("tool_calls")
     if calls is not None:
         if role != "assistant" or not isinstance(calls, list):
@@ -190,8 +192,14 @@ def _message(m, i: int) -> dict:
                 raise bad(f"messages[{i}].tool_calls: each call needs function.name and function.arguments "
                           "(a JSON string)", param="messages")
         out["tool_calls"] = calls
+    if role == "assistant" and m.get("reasoning_content") is not None:  # kept in thinking mode with tools
+        if not isinstance(m["reasoning_content"], str):
+            raise bad(f"messages[{i}].reasoning_content must be a string", param="messages")
+        out["reasoning_content"] = m["reasoning_content"]
     if role == "tool":
-        out["tool_call_id"] = m.get("tool_call_id")
+        if not isinstance(m.get("tool_call_id"), str):
+            raise bad(f"messages[{i}]: a tool message needs tool_call_id (a string)", param="messages")
+        out["tool_call_id"] = m["tool_call_id"]
     return out
 
 
@@ -257,67 +265,114 @@ class ReasoningSplitter:
 class ToolCallParser:
     """Splits answer text into content and DSML tool calls (runtime/chat.py shows the markup).
 
-    :meth:`feed` takes content pieces and returns (content, calls): text before ``<｜DSML｜tool_calls>`` is content
-    (a tail that could begin the marker is held back until decided); the block itself is buffered and, once
-    ``</｜DSML｜tool_calls>`` arrives (or at ``final``), parsed into OpenAI tool calls. A block that does not parse
-    is given back as content, never an error. Disabled (no tools in the request), all text is content."""
+    :meth:`feed` takes content pieces and returns (content, calls): text before ``<｜DSML｜tool_calls>`` is content;
+    the block itself is buffered until ``</｜DSML｜tool_calls>`` and then parsed into OpenAI tool calls. The model
+    writes a blank line between its text and the block (the prompt's turns have one): up to two newlines right
+    before the marker belong to it and are dropped. While streaming, a tail that could begin the marker (those
+    newlines included) is held back until decided, so the content is the same however the text is cut into pieces.
+    A block that does not parse, or is still open at ``final``, is given back as content, newlines and all; never an
+    error. Disabled (no tools in the request, or tool_choice "none"), all text is content."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self.buf = ""
+        self.sep = ""          # the newlines dropped before the marker (given back if the block does not parse)
         self.in_block = False
-        self.done = False  # one block per answer; text after it is content
+        self.done = False      # one block per answer; text after it is content
+        self.after = False     # a block was parsed: blank text right after it is dropped
         self.calls: list = []
 
+    def _tail(self, text: str) -> str:
+        if self.after:
+            text = text.lstrip()
+            self.after = not text
+        return text
+
     def feed(self, text: str, final: bool = False) -> tuple:
-        if not self.enabled or self.done:
+        if not self.enabled:
             return text, []
+        if self.done:
+            return self._tail(text), []
         self.buf += text
         content = ""
         if not self.in_block:
             i = self.buf.find(TOOL_CALLS_BEGIN)
             if i < 0:
-                keep = 0 if final else _held_back(self.buf, [TOOL_CALLS_BEGIN])
-                content, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+                n = len(self.buf)
+                if not final:  # hold back a possible start of the marker and the newlines before it
+                    n -= _held_back(self.buf, [TOOL_CALLS_BEGIN])
+                    n -= len(_split_sep(self.buf[:n])[1])
+                content, self.buf = self.buf[:n], self.buf[n:]
                 return content, []
-            content, self.buf, self.in_block = self.buf[:i], self.buf[i:], True
+            (content, self.sep), self.buf, self.in_block = _split_sep(self.buf[:i]), self.buf[i:], True
         j = self.buf.find(TOOL_CALLS_END)
         if j < 0 and not final:
             return content, []
         block = self.buf if j < 0 else self.buf[:j + len(TOOL_CALLS_END)]
         rest = "" if j < 0 else self.buf[j + len(TOOL_CALLS_END):]
         self.buf, self.in_block, self.done = "", False, True
-        calls = parse_tool_calls(block)
+        calls = parse_tool_calls(block) if j >= 0 else []
         if not calls:
-            return content + block + rest, []
-        self.calls = calls
-        return content + rest.strip(), calls
+            return content + self.sep + block + rest, []
+        self.calls, self.after = calls, True
+        return content + self._tail(rest), calls
+
+
+def _split_sep(text: str) -> tuple:
+    """text -> (text without its last two newlines at most, those newlines)."""
+    n = min(2, len(text) - len(text.rstrip("\n")))
+    return text[:len(text) - n], text[len(text) - n:]
+
+
+def _not_json(name: str):
+    raise ValueError(f"{name} is not JSON")
 
 
 _D = re.escape(DSML)
-_INVOKE = re.compile(rf'<{_D}invoke name="([^"]*)">\n(.*?)</{_D}invoke>', re.S)
+_INVOKE_OPEN = re.compile(rf'<{_D}invoke name="([^"]+)">')
+_INVOKE_CLOSE = f"</{DSML}invoke>"
 _PARAM = re.compile(rf'<{_D}parameter name="([^"]*)" string="(true|false)">(.*?)</{_D}parameter>', re.S)
+_SPACE = re.compile(r"\s*")
 
 
 def parse_tool_calls(block: str) -> list:
-    """A DSML tool-call block -> OpenAI tool calls ([] when it does not parse). string="true" parameters become JSON
-    strings; string="false" values are JSON and are kept as written (a value that is not JSON becomes a string)."""
+    """A whole DSML block (``<｜DSML｜tool_calls>`` ... ``</｜DSML｜tool_calls>``) -> OpenAI tool calls, or [] when
+    it does not parse: anything but whitespace outside the invoke / parameter tags, a repeated parameter name, an
+    invoke without a name, or no invoke at all. string="true" parameters become JSON strings; string="false"
+    values are JSON and are kept as written (a value that is not JSON becomes a string)."""
+    if not (block.startswith(TOOL_CALLS_BEGIN) and block.endswith(TOOL_CALLS_END)):
+        return []
+    pos, end = len(TOOL_CALLS_BEGIN), len(block) - len(TOOL_CALLS_END)
     calls = []
-    for name, body in _INVOKE.findall(block):
-        args = []
-        for key, is_str, value in _PARAM.findall(body):
+    while True:
+        pos = _SPACE.match(block, pos, end).end()
+        if pos == end:
+            break
+        m = _INVOKE_OPEN.match(block, pos, end)
+        if m is None:
+            return []
+        pos, args = m.end(), {}
+        while True:
+            pos = _SPACE.match(block, pos, end).end()
+            if block.startswith(_INVOKE_CLOSE, pos):
+                pos += len(_INVOKE_CLOSE)
+                break
+            p = _PARAM.match(block, pos, end)
+            if p is None:
+                return []
+            key, is_str, value = p.groups()
+            if key in args:
+                return []
             if is_str == "false":
                 try:
-                    json.loads(value)
-                    args.append(f"{json.dumps(key, ensure_ascii=False)}: {value}")
-                    continue
+                    json.loads(value, parse_constant=_not_json)  # NaN / Infinity would make the arguments invalid
                 except ValueError:
-                    pass
-            args.append(f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}")
-        if not name:
-            return []
+                    is_str = "true"
+            args[key] = value if is_str == "false" else json.dumps(value, ensure_ascii=False)
+            pos = p.end()
+        arguments = "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {v}" for k, v in args.items()) + "}"
         calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                      "function": {"name": name, "arguments": "{" + ", ".join(args) + "}"}})
+                      "function": {"name": m.group(1), "arguments": arguments}})
     return calls
 
 
