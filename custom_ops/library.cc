@@ -2,8 +2,8 @@
 //
 // ONNX Runtime calls it once per SessionOptions that registers the library. It initialises the C API at the
 // table's pinned version (21 = ONNX Runtime 1.21: older runtimes get a readable error instead of a crash), reads
-// DSV4_ORT_ISA to cap the ISA level and DSV4_ORT_KERNELS to force families to levels (kernel_tables.h, MakePlan),
-// and adds the domain holding that plan's ops. Domains and op objects are created once per distinct plan and live
+// DSV4_ORT_ISA to cap the ISA level, DSV4_ORT_KERNELS to force families to levels (kernel_tables.h, MakePlan) and
+// DSV4_ORT_BATCH_INVARIANT for the batch-invariance bound (FamilyPlan::invariant_rows), and adds the domain holding that plan's ops. Domains and op objects are created once per distinct plan and live
 // until the process exits, since every session that used them must outlive nothing they own.
 #include <cstdlib>
 #include <memory>
@@ -46,9 +46,25 @@ IsaLevel EffectiveIsa() {
   return level;
 }
 
+// DSV4_ORT_BATCH_INVARIANT: the row bound of batch invariance (kernels/linear.h, WeightView::invariant_rows);
+// unset, empty or 0: off.
+int64_t InvariantRows() {
+  const char* env = std::getenv("DSV4_ORT_BATCH_INVARIANT");
+  if (env == nullptr || *env == '\0') return 0;
+  int64_t rows = 0;
+  for (const char* c = env; *c != '\0'; ++c) {
+    if (*c < '0' || *c > '9' || rows > (int64_t{1} << 40)) {
+      Fail("DSV4_ORT_BATCH_INVARIANT='", env, "' is not a row count (a non-negative integer; 0 turns it off)");
+    }
+    rows = rows * 10 + (*c - '0');
+  }
+  return rows;
+}
+
 OrtStatus* Register(OrtSessionOptions* options) {
   const char* forced = std::getenv("DSV4_ORT_KERNELS");
-  const FamilyPlan plan = MakePlan(EffectiveIsa(), forced != nullptr && *forced != '\0' ? forced : nullptr);
+  FamilyPlan plan = MakePlan(EffectiveIsa(), forced != nullptr && *forced != '\0' ? forced : nullptr);
+  plan.invariant_rows = InvariantRows();
   std::lock_guard<std::mutex> lock(g_mutex);
   PlanDomain* found = nullptr;
   for (auto& d : g_domains)

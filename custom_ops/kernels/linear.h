@@ -55,6 +55,12 @@ struct WeightView {
   // the NaN fix-up. Set only after scanning the whole weight (the ops do it once for constant weights); false
   // (the default) is always correct. A weight holding NaN codes must never carry true: its outputs would not be NaN.
   bool fp8_finite = false;
+  // Batch invariance (0 = off): a call of at most this many activation rows (MoE: an expert's tokens) computes each
+  // row by the operation sequence a one-row call uses, so row i's result does not depend on the other rows. The
+  // levels then keep such calls off their panels / tiles (another summation order) and, for FP8, on the in-register
+  // decode with the block scale folded, in groups of rows that fold (linear_fused_*.cc). Set by the ops from the
+  // session (DSV4_ORT_BATCH_INVARIANT); the reference is invariant at any setting.
+  int64_t invariant_rows = 0;
 };
 
 // Bytes of one [rows, cols] matrix's data and of its scales (0 for dense).

@@ -33,10 +33,12 @@ void DecodeRows(ActType act, const WeightView& w, int64_t n0, int64_t rows, int6
 // ---------------------------------------------------------------------------------------------------------------
 // Decode paths (linear_fused_avx2.cc), which Rows hands over to; neither needs scratch.
 
-// FP8 weights against one activation row (not for fp32 scales under bf16 activations).
+// FP8 weights against one activation row, or up to WeightView::invariant_rows rows (batch invariance: each row as
+// it sums alone); not for fp32 scales under bf16 activations.
 bool FusedFp8(ActType act, const WeightView& w, int64_t m);
-// Rows() for FusedFp8: weight rows [n0, n1) against the prepared activation row x.
-void RowsFp8Fused(const float* x, const WeightView& w, int64_t n0, int64_t n1, const MatOut& out);
+// Rows() for FusedFp8: weight rows [n0, n1) against the m prepared activation rows x (xs floats apart).
+void RowsFp8Fused(const float* x, int64_t xs, int64_t m, const WeightView& w, int64_t n0, int64_t n1,
+                  const MatOut& out);
 // FP4 weights against one to four activation rows.
 bool FusedFp4(const WeightView& w, int64_t m);
 // Rows() for FusedFp4: weight rows [n0, n1) against the m prepared activation rows x (xs floats apart).

@@ -17,16 +17,17 @@ namespace {
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------------------------
-// Decode path for FP8 and one activation row: four rows decoded in registers (no scratch), the scale folded out of
-// the inner loop. Each 16-column chunk's codes become code * 2^-8 (Fp8ToF32Finite) and meet the activations
-// unscaled; a scale block's sum is scaled once into the total: total += (blk * 2^8) * scale (exact for E8M0 scales
-// barring overflow / underflow of the block sum; one rounding per block for fp32 scales, within the tolerance of
-// the reordered sum). Not for fp32 scales under bf16 activations (W must be rounded to bf16 first). Unless the
+// Decode path for FP8 and one activation row (under batch invariance, each of up to WeightView::invariant_rows
+// rows in turn): four rows decoded in registers (no scratch), the scale folded out of the inner loop. Each
+// 16-column chunk's codes become code * 2^-8 (Fp8ToF32Finite) and meet the activations unscaled; a scale block's
+// sum is scaled once into the total: total += (blk * 2^8) * scale (exact for E8M0 scales barring overflow /
+// underflow of the block sum; one rounding per block for fp32 scales, within the tolerance of the reordered sum). Not for fp32 scales under bf16 activations (W must be rounded to bf16 first). Unless the
 // weight is known finite (fp8_finite), a byte-wise maximum of 2 * code spots NaN codes (0xFE exactly when one
 // occurs); a row holding one has its output NaN, as every product with a NaN weight is.
 
 bool FusedFp8(ActType act, const WeightView& w, int64_t m) {
-  return m == 1 && w.format == WeightFormat::kFp8E4M3 && (act == ActType::kF32 || w.scale_format == ScaleFormat::kE8M0);
+  return (m == 1 || m <= w.invariant_rows) && w.format == WeightFormat::kFp8E4M3 &&
+         (act == ActType::kF32 || w.scale_format == ScaleFormat::kE8M0);
 }
 
 namespace {
@@ -101,22 +102,25 @@ void DotFp8Fused(const WeightView& w, const int64_t* rows, const float* x, float
 
 }  // namespace
 
-void RowsFp8Fused(const float* x, const WeightView& w, int64_t n0, int64_t n1, const MatOut& out) {
+void RowsFp8Fused(const float* x, int64_t xs, int64_t m, const WeightView& w, int64_t n0, int64_t n1,
+                  const MatOut& out) {
   for (int64_t r0 = n0; r0 < n1; r0 += 4) {
     int64_t rows[4];
     for (int q = 0; q < 4; ++q) rows[q] = r0 + q < n1 ? r0 + q : n1 - 1;
-    float res[4];
-    if (w.fp8_finite) {
-      DotFp8Fused<true>(w, rows, x, res);
-    } else {
-      DotFp8Fused<false>(w, rows, x, res);
-    }
-    for (int64_t q = 0; q < 4 && r0 + q < n1; ++q) {
-      const int64_t at = r0 - n0 + q;
-      if (out.bf16) {
-        static_cast<uint16_t*>(out.data)[at] = F32ToBf16(res[q]);
+    for (int64_t i = 0; i < m; ++i) {  // each activation row on its own: the four weight rows stay in L1 / L2
+      float res[4];
+      if (w.fp8_finite) {
+        DotFp8Fused<true>(w, rows, x + i * xs, res);
       } else {
-        static_cast<float*>(out.data)[at] = res[q];
+        DotFp8Fused<false>(w, rows, x + i * xs, res);
+      }
+      for (int64_t q = 0; q < 4 && r0 + q < n1; ++q) {
+        const int64_t at = i * out.ld + r0 - n0 + q;
+        if (out.bf16) {
+          static_cast<uint16_t*>(out.data)[at] = F32ToBf16(res[q]);
+        } else {
+          static_cast<float*>(out.data)[at] = res[q];
+        }
       }
     }
   }

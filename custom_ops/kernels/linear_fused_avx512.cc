@@ -229,12 +229,18 @@ void DotFp8Finite(const WeightView& w, const int64_t* rows, const void* x, int64
   }
 }
 
-// Four FP8 rows against MR activation rows. Folded (fp32 activations, or E8M0 scales) for up to two activation rows,
-// where the block and total accumulators fit the registers; three or four rows scale each chunk instead (measured
-// faster than folding two weight rows at a time).
+// FP8 rows whose block scale the decode loop folds out for up to two activation rows: fp32 activations, or E8M0
+// scales (exact in bf16 only then).
+bool FoldsFp8(ActType act, const WeightView& w) {
+  return w.format == WeightFormat::kFp8E4M3 && (act == ActType::kF32 || w.scale_format == ScaleFormat::kE8M0);
+}
+
+// Four FP8 rows against MR activation rows. Folded (FoldsFp8) for up to two activation rows, where the block and
+// total accumulators fit the registers; three or four rows scale each chunk instead (measured faster than folding
+// two weight rows at a time), which sums in another order: batch invariance (RowsFused) keeps to groups of two.
 template <int MR, bool kBf16Act>
 void DotFp8Rows(const WeightView& w, const int64_t* rows, const void* x, int64_t xs, float res[][4]) {
-  if (MR <= 2 && (!kBf16Act || w.scale_format == ScaleFormat::kE8M0)) {
+  if (MR <= 2 && FoldsFp8(kBf16Act ? ActType::kBf16 : ActType::kF32, w)) {
     DotFp8Finite<MR, kBf16Act, MR <= 2>(w, rows, x, xs, res);
   } else {
     DotFp8Finite<MR, kBf16Act, false>(w, rows, x, xs, res);
@@ -264,25 +270,37 @@ void DotFused(ActType act, const WeightView& w, const int64_t* rows, const void*
 
 }  // namespace
 
+// Folded FP8 rows under batch invariance (WeightView::invariant_rows): the in-register decode for every call of
+// up to that many rows, two activation rows at a time, so that each row sums as it does alone.
+bool InvariantFold(ActType act, const WeightView& w, int64_t m) { return m <= w.invariant_rows && FoldsFp8(act, w); }
+
 // True when rows() decodes in registers (the decode path of FP8 / FP4 weights).
-bool FusedDecode(const WeightView& w, int64_t m) {
-  return m <= 4 && (w.format == WeightFormat::kFp4E2M1 || w.format == WeightFormat::kFp8E4M3);
+bool FusedDecode(ActType act, const WeightView& w, int64_t m) {
+  if (w.format != WeightFormat::kFp4E2M1 && w.format != WeightFormat::kFp8E4M3) return false;
+  return m <= 4 || InvariantFold(act, w, m);
 }
 
 void RowsFused(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n0, int64_t n1, const MatOut& out) {
   const int64_t kp = Pad32(w.cols);
-  const int mr = static_cast<int>(m);
+  const size_t row_bytes = static_cast<size_t>(kp) * (act == ActType::kF32 ? sizeof(float) : sizeof(uint16_t));
+  // Activation rows per inner call: all (at most four), or two under batch invariance. The group loop is inside the
+  // weight-row loop, so four weight rows stay in L1 / L2 while every group reads them.
+  const int64_t group = InvariantFold(act, w, m) && m > 2 ? 2 : m;
   for (int64_t r0 = n0; r0 < n1; r0 += 4) {
     int64_t rows[4];
     for (int q = 0; q < 4; ++q) rows[q] = r0 + q < n1 ? r0 + q : n1 - 1;
-    float res[4][4];
-    switch (mr) {
-      case 1: DotFused<1>(act, w, rows, xp, kp, res); break;
-      case 2: DotFused<2>(act, w, rows, xp, kp, res); break;
-      case 3: DotFused<3>(act, w, rows, xp, kp, res); break;
-      default: DotFused<4>(act, w, rows, xp, kp, res); break;
+    for (int64_t i0 = 0; i0 < m; i0 += group) {
+      const int mr = static_cast<int>(m - i0 < group ? m - i0 : group);
+      const void* x = static_cast<const uint8_t*>(xp) + static_cast<size_t>(i0) * row_bytes;
+      float res[4][4];
+      switch (mr) {
+        case 1: DotFused<1>(act, w, rows, x, kp, res); break;
+        case 2: DotFused<2>(act, w, rows, x, kp, res); break;
+        case 3: DotFused<3>(act, w, rows, x, kp, res); break;
+        default: DotFused<4>(act, w, rows, x, kp, res); break;
+      }
+      StoreResults(out, i0, mr, r0 - n0, n1 - r0 < 4 ? n1 - r0 : 4, res);
     }
-    StoreResults(out, 0, m, r0 - n0, n1 - r0 < 4 ? n1 - r0 : 4, res);
   }
 }
 

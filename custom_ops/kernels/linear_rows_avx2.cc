@@ -318,7 +318,7 @@ void Rows(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n
   const int64_t kw = w.cols, kp = Pad32(kw), block = RowBlock(m);
   const float* x = static_cast<const float*>(xp);
   if (FusedFp8(act, w, m)) {
-    RowsFp8Fused(x, w, n0, n1, out);
+    RowsFp8Fused(x, kp, m, w, n0, n1, out);
     return;
   }
   if (FusedFp4(w, m)) {

@@ -308,14 +308,14 @@ void PrepareRows(ActType act, const WeightView& w, const void* x, int64_t ldx, c
 
 size_t RowsScratch(ActType act, const WeightView& w, int64_t m) {
   const RowKind kind = KindOf(act, w);
-  if (kind == RowKind::kBf16Direct || kind == RowKind::kF32Direct || FusedDecode(w, m)) return 0;
+  if (kind == RowKind::kBf16Direct || kind == RowKind::kF32Direct || FusedDecode(act, w, m)) return 0;
   const size_t elem = kind == RowKind::kF32Decoded ? sizeof(float) : sizeof(uint16_t);
   return static_cast<size_t>(RowBlock(m) * Pad32(w.cols)) * elem;
 }
 
 void Rows(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n0, int64_t n1, const MatOut& out,
           void* scratch) {
-  if (FusedDecode(w, m)) {
+  if (FusedDecode(act, w, m)) {
     RowsFused(act, xp, m, w, n0, n1, out);
     return;
   }

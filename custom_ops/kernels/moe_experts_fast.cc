@@ -165,7 +165,7 @@ void RunMoeExperts(const LinearBlocks& b, ActType act, const void* x, int64_t to
       j.expert = e;
       j.begin = start[e];
       j.count = start[e + 1] - start[e];
-      j.tiles = j.count >= min_tile_rows;
+      j.tiles = j.count >= min_tile_rows && j.count > w.w1.invariant_rows;  // WeightView::invariant_rows
       j.x_offset = j.a_offset = 0;
       all.push_back(j);
     }

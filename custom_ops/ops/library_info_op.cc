@@ -54,7 +54,8 @@ class LibraryInfoKernel final : public Kernel {
     for (size_t i = 0; i < families.size(); ++i) {
       js << (i ? ", " : "") << '"' << families[i].family << "\": \"" << LevelSourceName(families[i].source) << '"';
     }
-    js << "}, \"cpu\": {\"vendor\": \"" << f.vendor << "\", \"family\": " << f.family << ", \"model\": " << f.model
+    js << "}, \"batch_invariant_rows\": " << tables_->invariant_rows;
+    js << ", \"cpu\": {\"vendor\": \"" << f.vendor << "\", \"family\": " << f.family << ", \"model\": " << f.model
        << "}}";
     ctx.OutputStrings(0, {js.str()});
   }

@@ -20,6 +20,7 @@ class LinearKernelBase : public Kernel {
  public:
   explicit LinearKernelBase(const KernelInit& init)
       : k_(*init.tables->linear),
+        invariant_rows_(init.tables->invariant_rows),
         groups_(init.attrs->Int("groups")),
         bf16_products_(init.attrs->String("compute") == "bf16") {}
 
@@ -39,7 +40,9 @@ class LinearKernelBase : public Kernel {
  protected:
   // Validates x against the weight and groups, allocates y ([..., N] by the table's rule) and runs the slot for x's
   // type: fp32 x takes `f32`, or `f32bf16` in the bf16 compute mode (compute="bf16").
-  void Run(ComputeContext& ctx, const WeightView& w, LinearF32Fn f32, LinearBf16Fn bf16, LinearF32Fn f32bf16) const {
+  void Run(ComputeContext& ctx, const WeightView& weight, LinearF32Fn f32, LinearBf16Fn bf16, LinearF32Fn f32bf16) const {
+    WeightView w = weight;  // + the session's batch-invariance bound (WeightView::invariant_rows)
+    w.invariant_rows = invariant_rows_;
     const InputView& x = ctx.Input(0);
     const int64_t k = x.dim(-1);
     const int64_t want_k = CheckedMul(groups_, w.cols, "K = groups * Kw");
@@ -68,6 +71,7 @@ class LinearKernelBase : public Kernel {
   }
 
   const LinearKernels& k_;
+  const int64_t invariant_rows_;  // DSV4_ORT_BATCH_INVARIANT of the session's plan
   const int64_t groups_;
   const bool bf16_products_;  // compute="bf16": fp32 activations multiply as bf16 (kernels/linear.h)
   const void* checked_scale_ = nullptr;  // constant scale validated at creation

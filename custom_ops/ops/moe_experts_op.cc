@@ -28,7 +28,9 @@ void ExpectShape(const InputView& t, const std::vector<int64_t>& want, const cha
 class MoeExpertsKernelBase : public Kernel {
  public:
   explicit MoeExpertsKernelBase(const KernelInit& init)
-      : k_(*init.tables->moe_experts), limit_(init.attrs->Float("swiglu_limit")) {}
+      : k_(*init.tables->moe_experts),
+        limit_(init.attrs->Float("swiglu_limit")),
+        invariant_rows_(init.tables->invariant_rows) {}
 
   // Validates the constant scale inputs s1, s2, s3 once (all experts); CheckUsedScales then skips those buffers.
   void CheckConstantScales(const KernelInit& init) {
@@ -119,8 +121,10 @@ class MoeExpertsKernelBase : public Kernel {
     for (const int64_t e : used) CheckScaleValues(scale, e * per_expert, (e + 1) * per_expert);
   }
 
-  void Run(ComputeContext& ctx, const ExpertWeights& w, const Routing& r, MoeExpertsF32Fn f32,
+  void Run(ComputeContext& ctx, const ExpertWeights& weights_in, const Routing& r, MoeExpertsF32Fn f32,
            MoeExpertsBf16Fn bf16) const {
+    ExpertWeights w = weights_in;  // + the session's batch-invariance bound (WeightView::invariant_rows)
+    w.w1.invariant_rows = w.w2.invariant_rows = w.w3.invariant_rows = invariant_rows_;
     const InputView &x = ctx.Input(kX), &weights = ctx.Input(kWeights), &indices = ctx.Input(kIndices);
     const int64_t tokens = x.dim(0);
     void* y = ctx.Output(0, x.numel);
@@ -155,6 +159,7 @@ class MoeExpertsKernelBase : public Kernel {
 
   const MoeExpertsKernels& k_;
   const float limit_;
+  const int64_t invariant_rows_;  // DSV4_ORT_BATCH_INVARIANT of the session's plan
   const void* checked_scales_[3] = {nullptr, nullptr, nullptr};  // constant s1, s2, s3 validated at creation
 };
 

@@ -75,6 +75,7 @@ enum FamilyIndex : int {
 KernelTables Build(const FamilyPlan& plan) {
   KernelTables t;
   t.level = plan.cap;
+  t.invariant_rows = plan.invariant_rows;
 #define DSV4_PICK(member, Type, name)                                                              \
   Pick(k##Type##Variants, plan.level[k_##member], &t.member, &t.member##_level);                 \
   t.member##_source = plan.source[k_##member];

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <array>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -54,7 +55,12 @@ struct FamilyPlan {
   IsaLevel cap = IsaLevel::kScalar;
   std::array<IsaLevel, kNumFamilies> level{};
   std::array<LevelSource, kNumFamilies> source{};
-  bool operator==(const FamilyPlan& o) const { return cap == o.cap && level == o.level && source == o.source; }
+  // Batch invariance (DSV4_ORT_BATCH_INVARIANT, 0 = off): linear and MoE expert calls of at most this many rows
+  // compute every row as a one-row call does (kernels/linear.h, WeightView::invariant_rows).
+  int64_t invariant_rows = 0;
+  bool operator==(const FamilyPlan& o) const {
+    return cap == o.cap && level == o.level && source == o.source && invariant_rows == o.invariant_rows;
+  }
 };
 
 // The plan for `cap` (already clamped to MaxSupportedIsa()) on this CPU. `forced` is DSV4_ORT_KERNELS or nullptr:
@@ -68,6 +74,7 @@ std::array<IsaLevel, kNumFamilies> CpuPolicy(IsaLevel cap, const CpuFeatures& f)
 
 struct KernelTables {
   IsaLevel level = IsaLevel::kScalar;  // the plan's cap
+  int64_t invariant_rows = 0;          // the plan's batch-invariance bound
 #define DSV4_TABLE_MEMBER(member, Type, name) \
   const Type* member = nullptr;               \
   IsaLevel member##_level = IsaLevel::kScalar; \

@@ -58,12 +58,13 @@ def register(session_options) -> None:
     session_options.register_custom_ops_library(get_library_path())
 
 
-def library_info(isa: str | None = None, kernels: str | None = None) -> dict:
+def library_info(isa: str | None = None, kernels: str | None = None, batch_invariant: int | None = None) -> dict:
     """What the library reports about itself in a session: op table, CPU (vendor, family, model, features), the
-    ISA level of each kernel family and why (``family_source``: ``cap``, ``cpu`` policy or ``forced``).
+    ISA level of each kernel family and why (``family_source``: ``cap``, ``cpu`` policy or ``forced``), and the
+    batch-invariance bound (``batch_invariant_rows``, 0 = off).
 
-    ``isa`` caps the level like ``DSV4_ORT_ISA``, ``kernels`` forces families like ``DSV4_ORT_KERNELS`` (both are
-    read when the library is registered).
+    ``isa`` caps the level like ``DSV4_ORT_ISA``, ``kernels`` forces families like ``DSV4_ORT_KERNELS``,
+    ``batch_invariant`` sets ``DSV4_ORT_BATCH_INVARIANT`` (all read when the library is registered).
     """
     import numpy as np
     import onnxruntime as ort
@@ -77,7 +78,7 @@ def library_info(isa: str | None = None, kernels: str | None = None) -> dict:
                               [helper.make_tensor_value_info("info", TensorProto.STRING, [1])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(schema.DOMAIN, 1)],
                               ir_version=8).SerializeToString()
-    with isa_cap(isa, kernels):
+    with isa_cap(isa, kernels, batch_invariant):
         so = ort.SessionOptions()
         so.log_severity_level = 4
         try:  # onnxruntime calls the library's RegisterCustomOps here, which reads the two variables
@@ -96,11 +97,13 @@ def library_info(isa: str | None = None, kernels: str | None = None) -> dict:
 
 
 class isa_cap:
-    """Context manager setting DSV4_ORT_ISA (``isa``) and DSV4_ORT_KERNELS (``kernels``, per-family levels such
-    as ``"linear=avx2,indexer=scalar"``) while sessions register the library; None leaves a variable untouched."""
+    """Context manager setting DSV4_ORT_ISA (``isa``), DSV4_ORT_KERNELS (``kernels``, per-family levels such as
+    ``"linear=avx2,indexer=scalar"``) and DSV4_ORT_BATCH_INVARIANT (``batch_invariant``, a row bound; 0 = off) while
+    sessions register the library; None leaves a variable untouched."""
 
-    def __init__(self, isa: str | None, kernels: str | None = None):
-        self.values = {"DSV4_ORT_ISA": isa, "DSV4_ORT_KERNELS": kernels}
+    def __init__(self, isa: str | None, kernels: str | None = None, batch_invariant: int | None = None):
+        self.values = {"DSV4_ORT_ISA": isa, "DSV4_ORT_KERNELS": kernels,
+                       "DSV4_ORT_BATCH_INVARIANT": None if batch_invariant is None else str(batch_invariant)}
         self.saved = {}
 
     def __enter__(self):

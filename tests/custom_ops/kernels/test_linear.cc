@@ -491,12 +491,58 @@ void TestBf16Products(const std::string& name, const dsv4::LinearBlocks& blocks,
   }
 }
 
+// Batch invariance (WeightView::invariant_rows): with the bound set, row i of an M-row call equals, bit for bit,
+// the same row computed alone, for every format, activation type and M up to the bound; the serving engine's
+// promise that a request's output does not depend on what decodes beside it rests on this. Rows at different M
+// would otherwise take different inner loops (in-register decode for M <= 4, scratch-decoded rows above, panels
+// or tiles from the level's crossover), which sum in different orders.
+void TestBatchInvariant(const Variant& v, ActType act, Fmt fmt) {
+  dsv4_test::RequireIsa(v.needs);
+  Rng rng(31337);
+  const dsv4_test::ThreadParallel threads(2);
+  constexpr int64_t kBound = 40;
+  const bool fp4 = fmt == Fmt::kFp4;
+  struct Shape {
+    int64_t n, kw, groups, block;
+  };
+  for (const Shape& s : {Shape{70, fp4 ? 320 : 300, 1, 32}, Shape{256, 256, 1, 128}, Shape{128, 64, 4, 128},
+                         Shape{64, 1024, 1, 128}}) {
+    Problem all = MakeProblem(rng, act, fmt, kBound, s.n, s.kw, s.groups, s.block);
+    all.w.view.invariant_rows = kBound;
+    const int64_t n = all.w.view.rows, k = all.w.view.cols * all.groups;
+    std::vector<std::vector<float>> alone(kBound);
+    for (int64_t i = 0; i < kBound; ++i) {
+      Problem one = all;
+      one.m = 1;
+      one.w.view.data = one.w.data.data();
+      one.w.view.scale = one.w.scale.empty() ? nullptr : one.w.scale.data();
+      one.x32.assign(all.x32.begin() + i * k, all.x32.begin() + (i + 1) * k);
+      if (act == ActType::kBf16) one.x16.assign(all.x16.begin() + i * k, all.x16.begin() + (i + 1) * k);
+      alone[i] = Run(v.run, one, threads.Get());
+    }
+    for (int64_t m : {2, 3, 4, 5, 8, 15, 16, 17, 24, 33, 40}) {
+      Problem p = all;
+      p.m = m;
+      p.w.view.data = p.w.data.data();
+      p.w.view.scale = p.w.scale.empty() ? nullptr : p.w.scale.data();
+      const std::vector<float> got = Run(v.run, p, threads.Get());
+      int64_t differ = 0;
+      for (int64_t i = 0; i < m; ++i) differ += std::memcmp(got.data() + i * n, alone[i].data(), n * sizeof(float)) != 0;
+      KT_CHECK(differ == 0) << v.name << " " << Describe(p, fmt) << " invariant_rows=" << kBound << ": " << differ
+                            << " of " << m << " rows differ from the row computed alone";
+    }
+  }
+}
+
 const bool kRegistered = [] {
   for (const Variant& v : Variants()) {
     for (ActType act : {ActType::kF32, ActType::kBf16}) {
       for (Fmt fmt : kFormats) {
         kt::Register("linear_" + v.name + "_" + (act == ActType::kF32 ? "f32" : "bf16") + "_" + FmtName(fmt),
                      [v, act, fmt] { TestShapes(v, act, fmt); });
+        kt::Register("linear_" + v.name + "_batch_invariant_" + (act == ActType::kF32 ? "f32" : "bf16") + "_" +
+                         FmtName(fmt),
+                     [v, act, fmt] { TestBatchInvariant(v, act, fmt); });
       }
     }
     kt::Register("linear_" + v.name + "_nan_codes_and_empty", [v] { TestNanAndEmpty(v); });

@@ -14,6 +14,7 @@
 // count (bitwise).
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
@@ -316,12 +317,50 @@ void TestNanCodes(const Variant& v, ActType act) {
   }
 }
 
+// Batch invariance (WeightView::invariant_rows on the expert weights): token t of a T-token call equals, bit for
+// bit, token t routed alone, for T up to the bound. Without it the hot experts' token counts would pick the panels /
+// tiles (another summation order) and the FP8 decode would group rows differently.
+void TestBatchInvariant(const Variant& v, ActType act, Fmt fmt) {
+  dsv4_test::RequireIsa(v.needs);
+  Rng rng(900 + static_cast<int>(fmt));
+  const dsv4_test::ThreadParallel threads(2);
+  constexpr int64_t kBound = 24;
+  const bool fp4 = fmt == Fmt::kFp4;
+  const int64_t dim = fp4 ? 96 : 100, inter = fp4 ? 64 : 70;
+  Problem all = MakeProblem(rng, act, fmt, kBound, 6, 2, dim, inter, 32, 10.0f, false);
+  all.ew.w1.invariant_rows = all.ew.w2.invariant_rows = all.ew.w3.invariant_rows = kBound;
+  std::vector<std::vector<float>> alone(kBound);
+  for (int64_t t = 0; t < kBound; ++t) {
+    Problem one = all;
+    one.tokens = 1;
+    one.x32.assign(all.x32.begin() + t * dim, all.x32.begin() + (t + 1) * dim);
+    if (act == ActType::kBf16) one.x16.assign(all.x16.begin() + t * dim, all.x16.begin() + (t + 1) * dim);
+    one.indices.assign(all.indices.begin() + t * 2, all.indices.begin() + (t + 1) * 2);
+    one.weights.assign(all.weights.begin() + t * 2, all.weights.begin() + (t + 1) * 2);
+    alone[t] = Run(v.run, one, threads.Get());
+  }
+  for (int64_t tokens : {2, 3, 5, 16, 17, 24}) {
+    Problem p = all;
+    p.tokens = tokens;
+    const std::vector<float> got = Run(v.run, p, threads.Get());
+    int64_t differ = 0;
+    for (int64_t t = 0; t < tokens; ++t) {
+      differ += std::memcmp(got.data() + t * dim, alone[t].data(), dim * sizeof(float)) != 0;
+    }
+    KT_CHECK(differ == 0) << v.name << " " << Describe(p, fmt) << " invariant_rows=" << kBound << ": " << differ
+                          << " of " << tokens << " tokens differ from the token computed alone";
+  }
+}
+
 const bool kRegistered = [] {
   for (const Variant& v : Variants()) {
     for (ActType act : {ActType::kF32, ActType::kBf16}) {
       for (Fmt fmt : kFormats) {
         kt::Register("moe_experts_" + v.name + "_" + (act == ActType::kF32 ? "f32" : "bf16") + "_" + FmtName(fmt),
                      [v, act, fmt] { TestVariant(v, act, fmt); });
+        kt::Register("moe_experts_" + v.name + "_batch_invariant_" + (act == ActType::kF32 ? "f32" : "bf16") + "_" +
+                         FmtName(fmt),
+                     [v, act, fmt] { TestBatchInvariant(v, act, fmt); });
       }
       kt::Register("moe_experts_" + v.name + "_" + (act == ActType::kF32 ? "f32" : "bf16") + "_fp8_nan_codes",
                    [v, act] { TestNanCodes(v, act); });
