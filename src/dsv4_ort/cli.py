@@ -81,6 +81,16 @@ def _add_serve_parser(sub, common) -> None:
     serve.add_argument("--threads", type=thread_count, default=0, help="intra-op threads (default: physical cores)")
     serve.add_argument("--api-key", default=None, metavar="KEY",
                        help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
+    serve.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
+                       help="let the kernels pick their inner loop by the number of decoding rows (faster batched "
+                            "decode; a request's output may then differ in float32 rounding with what runs beside it)")
+    serve.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS", dest="ray_address",
+                       help="for an export in pipeline stages (export --stages): one Ray actor per stage on the Ray "
+                            "cluster at ADDRESS (default 'auto': the one this machine belongs to; needs the cluster "
+                            "extra); without it every stage runs in this process")
+    serve.add_argument("--micro-batches", type=positive, default=None, metavar="N",
+                       help="pipeline stages: decode rows split into N groups that follow each other through the "
+                            "stages (default: one per stage with --ray, 1 without)")
     serve.set_defaults(func=_cmd_serve)
 
 

@@ -89,7 +89,7 @@ def test_engine_alone_equals_session_stream(session):
 def test_sixteen_together_equal_alone(model, isa):
     """Greedy tokens of each of 16 requests do not depend on what decodes beside it (rows join and leave at
     different steps: prompts of 1-69 tokens, 4-40 new tokens, so decode batches range over 1..16 rows)."""
-    sess = Session(model, intra_op_threads=1, isa=isa)
+    sess = Session(model, intra_op_threads=1, isa=isa, batch_invariant=16)
     ps = prompts(sess.vocab_size, 16, seed=4)
     lengths = [4 + (7 * i) % 37 for i in range(16)]
     alone = []
@@ -97,6 +97,7 @@ def test_sixteen_together_equal_alone(model, isa):
         eng = Engine(sess, max_batch=1, prefill_chunk=CHUNK)
         alone.append(run_all(eng, [eng.submit(p, SamplingParams(max_tokens=n))])[0]["tokens"])
     eng = Engine(sess, max_batch=16, prefill_chunk=CHUNK)
+    assert eng.batch_invariant
     together = run_all(eng, [eng.submit(p, SamplingParams(max_tokens=n)) for p, n in zip(ps, lengths)])
     assert [r["tokens"] for r in together] == alone
     assert eng.metrics()["running"] == 0
@@ -104,29 +105,40 @@ def test_sixteen_together_equal_alone(model, isa):
 
 def test_kernels_per_row_results_do_not_depend_on_batch_at_scalar(model):
     """The engine's batch invariance rests on each row's decode logits not depending on the number of rows in the
-    call. At the scalar level they are bitwise equal; see the xfail below for the vector levels."""
-    _check_rows_bitwise(Session(model, intra_op_threads=1, isa="scalar"))
+    call. The scalar level is invariant without being asked."""
+    _check_rows_bitwise(Session(model, intra_op_threads=1, isa="scalar"), (1, 2, 3, 5, 16))
 
 
-@pytest.mark.xfail(reason="Linear and MoeExperts at avx2/avx512 choose their inner loop by the number of rows: "
-                          "FP8 rows against 1-2 activation rows apply the block scale to each block's sum, against "
-                          "3 or more to each 32-column chunk; from 16 rows (fp32 activations; 24 for bf16 at "
-                          "avx512) the panels run one chain over K per output where the rows path keeps K in the "
-                          "lanes and sums them at the end. float32 results then differ in the last bits (max "
-                          "|diff| ~2e-6 on the tiny model's logits), so decode logits are not bitwise "
-                          "batch-invariant there; greedy tokens still match in these tests",
-                   strict=False)
-def test_kernels_per_row_results_do_not_depend_on_batch_at_default_isa(model):
-    # at a scalar cap (DSV4_ORT_ISA=scalar, or a CPU without AVX2) this is the scalar check above and passes
-    _check_rows_bitwise(Session(model, intra_op_threads=1))
+@pytest.mark.parametrize("isa", [None, "avx2"])
+def test_batch_invariant_session_rows_do_not_depend_on_batch(model, isa):
+    """With batch_invariant=N every level computes each row of a call of up to N rows, bit for bit, as alone
+    (the row counts cross the in-register decode limit, the scratch-decoded rows and the panels' crossover)."""
+    sess = Session(model, intra_op_threads=2, isa=isa, batch_invariant=32)
+    assert sess.batch_invariant == 32
+    _check_rows_bitwise(sess, (1, 2, 3, 4, 5, 16, 17, 24, 32))
 
 
-def _check_rows_bitwise(sess: Session) -> None:
+def test_batch_invariance_is_off_by_default_and_checked(model, monkeypatch):
+    assert Session(model, intra_op_threads=1).batch_invariant == 0
+    monkeypatch.setenv("DSV4_ORT_BATCH_INVARIANT", "8")  # the variable works as the argument does
+    assert Session(model, intra_op_threads=1).batch_invariant == 8
+    monkeypatch.setenv("DSV4_ORT_BATCH_INVARIANT", "eight")
+    with pytest.raises(ValueError, match="DSV4_ORT_BATCH_INVARIANT='eight' is not a row count"):
+        Session(model, intra_op_threads=1)
+    monkeypatch.delenv("DSV4_ORT_BATCH_INVARIANT")
+    assert not Engine(Session(model, intra_op_threads=1, batch_invariant=4), max_batch=8).batch_invariant
+    with pytest.raises(ValueError, match="batch_invariant must be >= 0"):
+        Session(model, batch_invariant=-1)
+    with pytest.raises(TypeError, match="batch_invariant must be an integer"):
+        Session(model, batch_invariant=1.5)
+
+
+def _check_rows_bitwise(sess: Session, batches) -> None:
     base = sess.new_state(1)
     sess.forward(random_ids(sess.vocab_size, (1, 20), seed=5), base)
     tok = np.array([[7]], np.int64)
     outs = {}
-    for B in (1, 2, 3, 5, 16):
+    for B in batches:
         st = sess.new_state(B)
         for (_, _, src, _), (_, _, dst, _) in zip(base.tensors, st.tensors):
             dst[:] = src[0]

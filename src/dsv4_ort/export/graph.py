@@ -239,8 +239,11 @@ def layer_kind(ratio: int) -> str:
     return "swa" if ratio == 0 else ("csa" if ratio == 4 else "hca")
 
 
-def state_tensors(config, max_seq_len: int, state: str = "default") -> list[StateTensor]:
+def state_tensors(config, max_seq_len: int, state: str = "default", layers=None) -> list[StateTensor]:
     """The state of every main layer, in graph order (see the module docstring of :mod:`dsv4_ort.export`).
+
+    ``layers``: (layer id, compress ratio) pairs to describe instead of the main layers (the MTP block's state, layer
+    id ``num_hidden_layers``, :mod:`.mtp`).
 
     ``state="fp8"``: window and entries are uint8 rows of the FP8 attention-entry layout and the indexer keys uint8
     rows of the FP8 index-key layout (:mod:`dsv4_ort.models.functional`, FP8 state); compressor rows stay float32.
@@ -260,7 +263,7 @@ def state_tensors(config, max_seq_len: int, state: str = "default") -> list[Stat
     else:
         row, key_row, elem = D, cI, ACT
     out = []
-    for layer, r in enumerate(c.layer_ratios):
+    for layer, r in (enumerate(c.layer_ratios) if layers is None else layers):
         out.append(StateTensor(layer, "window", (BATCH, c.sliding_window, row), elem))
         if r > 0:
             coff = 2 if r == 4 else 1
@@ -292,6 +295,12 @@ class DecoderGraph:
         self.state = state_tensors(config, max_seq_len, state)
 
     # ------------------------------------------------------------------------------------------- helpers
+
+    def prefix(self, layer: int) -> str:
+        """Checkpoint prefix of a block: ``layers.L`` for a main layer, ``mtp.J`` for MTP depth J (layer id
+        ``num_hidden_layers + J``, see :mod:`.mtp`)."""
+        n = self.c.num_hidden_layers
+        return f"layers.{layer}" if layer < n else f"mtp.{layer - n}"
 
     def _w(self, name: str) -> Weight:
         try:
@@ -352,13 +361,31 @@ class DecoderGraph:
     # ------------------------------------------------------------------------------------------- graph
 
     def build(self):
+        ids, start_pos = self.inputs()
+        x = self.embed(ids)
+        x = self.layers(range(self.c.num_hidden_layers), x, start_pos)
+        self.head(x)
+        return self.g
+
+    # The pieces of build(), in graph order; a pipeline stage (:mod:`.stages`) builds its own graph from them.
+
+    def inputs(self, streams: str | None = None) -> tuple[str, str]:
+        """Graph inputs ``input_ids``, ``start_pos`` (and the residual streams ``streams`` [batch, seq, hc, d] when
+        named: a stage after the first) and every state tensor of ``self.state``, in that order."""
         c, g = self.c, self.g
         ids = g.input("input_ids", I64, [BATCH, SEQ])
         start_pos = g.input("start_pos", I64, [BATCH])
+        if streams is not None:
+            g.input(streams, ACT, [BATCH, SEQ, c.hc_mult, c.hidden_size])
         for st in self.state:
             g.input(st.input_name, st.elem, list(st.shape))
-        d, hc = c.hidden_size, c.hc_mult
+        return ids, start_pos
 
+    def embed(self, ids: str) -> str:
+        """Embedding rows expanded into the ``hc`` residual streams; also defines ``shape_bsd`` and ``ids_flat``
+        (the MoE's ``[batch, seq, d]`` shape and the hash routers' token ids)."""
+        c, g = self.c, self.g
+        d, hc = c.hidden_size, c.hc_mult
         emb_w = self._w("embed.weight")
         emb = g.node("Gather", [emb_w.name, ids], [("embed.out", emb_w.dtype, [BATCH, SEQ, d])], "embed", axis=0)[0]
         if emb_w.dtype != ACT:
@@ -368,18 +395,27 @@ class DecoderGraph:
                                "input_ids.flat")[0]
         x = g.node("Unsqueeze", [emb, self._i64("const.axis2", [2])], [("embed.unsqueeze", ACT, [BATCH, SEQ, 1, d])],
                    "streams.unsqueeze")[0]
-        x = g.node("Expand", [x, self._i64("const.streams", [1, 1, hc, 1])], [("streams", ACT, [BATCH, SEQ, hc, d])],
-                   "streams.expand")[0]
+        return g.node("Expand", [x, self._i64("const.streams", [1, 1, hc, 1])], [("streams", ACT, [BATCH, SEQ, hc, d])],
+                      "streams.expand")[0]
 
+    def layers(self, layers, x: str, start_pos: str) -> str:
+        """Blocks ``layers`` (consecutive layer indices) on the streams ``x``; their state is in ``self.state``."""
+        c, g = self.c, self.g
         states = {}
         for st in self.state:
             states.setdefault(st.layer, {})[st.name] = st
-        for layer, ratio in enumerate(c.layer_ratios):
+        for layer in layers:
+            ratio = c.layer_ratios[layer]
             # the two RoPE tables: plain for ratio-0 layers, compress_rope_theta + YaRN for compressed ones
             inv = g.const("rope.inv_freq_compressed", _rope_table(c, True)) if ratio > 0 else \
                 g.const("rope.inv_freq", _rope_table(c, False))
             x = self.block(layer, ratio, x, start_pos, inv, states[layer])
+        return x
 
+    def head(self, x: str) -> None:
+        """hc_head, the final norm and the LM head on the streams ``x``; outputs ``logits`` then every state tensor."""
+        c, g = self.c, self.g
+        d, hc = c.hidden_size, c.hc_mult
         if self.logits_mode == "last":
             x = g.node("Slice", [x, self._i64("const.last.start", [-1]),
                                  self._i64("const.last.end", [np.iinfo(np.int64).max]), self._i64("const.axis1", [1])],
@@ -392,11 +428,10 @@ class DecoderGraph:
         g.output(logits)
         for st in self.state:
             g.output(st.output_name)
-        return g
 
     def block(self, layer: int, ratio: int, x: str, start_pos: str, inv: str, st: dict) -> str:
         c, g = self.c, self.g
-        p = f"layers.{layer}"
+        p = self.prefix(layer)
         hc_kw = dict(rms_eps=float(c.rms_norm_eps), hc_eps=float(c.hc_eps), sinkhorn_iters=int(c.hc_sinkhorn_iters))
 
         def hc_pre(x, which):
@@ -435,7 +470,7 @@ class DecoderGraph:
 
     def attention(self, layer: int, ratio: int, x: str, start_pos: str, inv: str, st: dict) -> str:
         c, g = self.c, self.g
-        p = f"layers.{layer}.attn"
+        p = f"{self.prefix(layer)}.attn"
         H, D, G = c.num_attention_heads, c.head_dim, c.o_groups
         eps = float(c.rms_norm_eps)
         qr = self.rms_norm(self.linear(x, f"{p}.wq_a.weight", f"{p}.wq_a"), f"{p}.q_norm.weight", f"{p}.q_norm")
@@ -478,7 +513,7 @@ class DecoderGraph:
 
     def moe(self, layer: int, x: str) -> str:
         c, g = self.c, self.g
-        p = f"layers.{layer}.ffn"
+        p = f"{self.prefix(layer)}.ffn"
         d = c.hidden_size
         xt = g.node("Reshape", [x, self._i64("const.rows", [-1, d])], [(f"{p}.x", ACT, [TOKENS, d])], f"{p}.rows")[0]
         logits = self.linear(xt, f"{p}.gate.weight", f"{p}.gate")

@@ -53,7 +53,7 @@ WEIGHT_MODES = ("native", "bf16", "fp32")
 REQUANT_FORMATS = ("native", "fp8", "fp4")
 
 
-_EXPERT_RE = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
+_EXPERT_RE = re.compile(r"^((?:layers|mtp)\.\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")  # main or MTP block
 _SHARED_RE = re.compile(r"^layers\.(\d+)\.ffn\.shared_experts\.(w[123])\.weight$")
 
 
@@ -72,17 +72,19 @@ def tensor_role(name: str) -> str:
         return "matrix"
     leaf = name.rsplit(".", 2)
     if name.endswith(".weight") and len(leaf) >= 2 and leaf[-2] in (
-            "wq_a", "wq_b", "wkv", "wo_a", "wo_b", "wgate", "weights_proj", "gate", "w1", "w2", "w3"):
+            "wq_a", "wq_b", "wkv", "wo_a", "wo_b", "wgate", "weights_proj", "gate", "w1", "w2", "w3",
+            "e_proj", "h_proj"):  # the last two: the MTP block's input projections
         return "matrix"
     return "param"
 
 
 def stacked_name(name: str) -> tuple[str, int] | None:
-    """``layers.L.ffn.experts.E.wX.weight`` -> (``layers.L.ffn.experts.wX.weight``, E); else None."""
+    """``layers.L.ffn.experts.E.wX.weight`` -> (``layers.L.ffn.experts.wX.weight``, E) (``mtp.J.`` alike); else
+    None."""
     m = _EXPERT_RE.match(name)
     if m is None:
         return None
-    return f"layers.{m.group(1)}.ffn.experts.{m.group(3)}.weight", int(m.group(2))
+    return f"{m.group(1)}.ffn.experts.{m.group(3)}.weight", int(m.group(2))
 
 
 def scale_initializer_name(weight_name: str) -> str:

@@ -128,13 +128,20 @@ def ensure_export(checkpoint: str | None, *, quiet: bool, force: bool = False) -
     return out
 
 
-def open_session(model_dir, *, threads: int, isa: str | None, need_text: bool = True, quiet: bool = False):
+def open_session(model_dir, *, threads: int, isa: str | None, need_text: bool = True, quiet: bool = False,
+                 batch_invariant: int | None = None, pipeline: dict | None = None):
     """``Session(model_dir)`` with its tokenizer read up front. An unreadable tokenizer.json is a ModelError naming
     the file when text is needed (``need_text``); without it (``--ids``) the output is token ids, with a one-line
-    warning."""
+    warning. An export in pipeline stages opens as a :class:`~.pipeline.PipelineSession` (``pipeline``: its
+    backend, ray_address, micro_batches; default: every stage in this process)."""
+    from .pipeline import is_pipeline_export, open_pipeline
     from .session import ModelError, Session
 
-    sess = Session(model_dir, intra_op_threads=threads or None, isa=isa)
+    if is_pipeline_export(model_dir):
+        sess = open_pipeline(model_dir, intra_op_threads=threads or None, isa=isa, batch_invariant=batch_invariant,
+                             **(pipeline or {}))
+    else:
+        sess = Session(model_dir, intra_op_threads=threads or None, isa=isa, batch_invariant=batch_invariant)
     try:
         sess.tokenizer
     except ModelError as e:

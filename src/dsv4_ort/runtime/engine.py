@@ -13,11 +13,13 @@ decoding rows stay contiguous; a freed row is reused at once with its position r
 
 Per step (:meth:`Engine.step`): cancelled requests leave, waiting requests take free rows, one decode call runs
 over rows ``[0, k)``, then prefill chunks of the oldest prefilling requests run, each on its row, up to
-``prefill_chunk`` tokens in all (at least one chunk). Chunk boundaries are multiples of ``prefill_chunk`` from position 0, whatever else runs, so a
-request's prefill is the same computation alone or beside others; its decode steps differ only in how many rows
-share the call (the kernels of the Linear and MoE expert families at the AVX2 / AVX512 levels pick their inner
-loop by the number of rows, so their float32 rounding, and rarely a greedy choice, can depend on it; the scalar
-level does not).
+``prefill_chunk`` tokens in all (at least one chunk). Chunk boundaries are multiples of ``prefill_chunk`` from
+position 0, whatever else runs, so a request's prefill is the same computation alone or beside others; its decode
+steps differ only in how many rows share the call. With a session made with ``batch_invariant >= max_batch``
+(``dsv4-ort serve`` does that) that changes nothing: every row of a decode call is computed, bit for bit, as it
+is alone (:attr:`Engine.batch_invariant`). Without it, the Linear and MoE expert kernels at the AVX2 / AVX512 /
+AMX levels pick their inner loop by the number of rows, so a request's float32 rounding, and rarely a greedy
+choice, can depend on its neighbours (the scalar level is invariant either way).
 
 Threads: :meth:`Engine.start` runs steps on one engine thread; :meth:`Engine.submit` may be called from any
 thread and returns a :class:`Request` whose events (:class:`Event`) arrive through a per-request queue (iterate
@@ -254,6 +256,8 @@ class Engine:
         self.tokenizer = session.tokenizer if tokenizer is None else tokenizer
         self.capacity = int(session.max_seq_len)
         self.state = session.new_state(self.max_batch)  # allocated once; rows are the slots
+        # every decode call (at most max_batch rows) computes each row as it is alone (Session batch_invariant)
+        self.batch_invariant = int(getattr(session, "batch_invariant", 0)) >= self.max_batch
         self._views: dict = {}  # (start, stop) -> State view, bound once
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -444,13 +448,8 @@ class Engine:
         if other is None:
             self.state.copy_row(old, row)
             self._rows[old] = None
-        else:  # swap through a scratch copy of one row
-            saved = [buf[row].copy() for _, _, buf, _ in self.state.tensors]
-            pos = int(self.state.positions[row])
-            self.state.copy_row(old, row)
-            for (_, _, buf, _), s in zip(self.state.tensors, saved):
-                buf[old] = s
-            self.state.positions[old] = pos
+        else:  # the two sequences exchange rows (State.swap_rows; a pipeline's state swaps in every stage)
+            self.state.swap_rows(old, row)
             other.row = old
             self._rows[old] = other
         req.row = row

@@ -97,6 +97,16 @@ def sample(logits: np.ndarray, *, temperature: float = 0.0, top_k: int = 0, top_
         rng = np.random.default_rng()
     elif not isinstance(rng, np.random.Generator):
         raise TypeError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
+    probs = probabilities(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    race = probs / rng.exponential(1.0, size=probs.shape)
+    return race.argmax(axis=-1).astype(np.int64)
+
+
+def probabilities(logits: np.ndarray, *, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+    """The distribution :func:`sample` draws from at a temperature >= MIN_TEMPERATURE: float64 [..., V] (the
+    temperature, top_k and top_p rules of the module docstring, per row; speculative sampling compares these)."""
+    lead = logits.shape[:-1]
+    logits = np.asarray(logits).reshape(-1, logits.shape[-1])
     scaled = logits.astype(np.float64) / temperature
     V = scaled.shape[-1]
     if 0 < top_k < V:
@@ -112,5 +122,4 @@ def sample(logits: np.ndarray, *, temperature: float = 0.0, top_k: int = 0, top_
         np.put_along_axis(keep, order, keep_sorted, axis=-1)
         probs = np.where(keep, probs, 0.0)
         probs /= probs.sum(axis=-1, keepdims=True)
-    race = probs / rng.exponential(1.0, size=probs.shape)
-    return race.argmax(axis=-1).astype(np.int64)
+    return probs.reshape(*lead, -1)

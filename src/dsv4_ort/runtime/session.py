@@ -18,6 +18,7 @@ import numpy as np
 
 from ..export.files import DATA_FILE, FORMAT_VERSION, META_FILE, MODEL_FILE, read_export_trailer
 from .sampling import check_count, check_logits, check_sampling, check_seed, sample
+from .speculative import check_speculative
 from .state import State
 
 
@@ -42,16 +43,9 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
-def read_metadata(model_dir: str | os.PathLike, model_file: str = MODEL_FILE) -> dict:
-    """dsv4_ort.json of ``model_dir``, checked; ``model_file`` is the graph that must sit beside it (``model.onnx``,
-    or an ORT-format conversion such as ``model.ort``)."""
-    d = Path(model_dir)
-    if not d.is_dir():
-        raise ModelError(f"model directory {str(d)!r} does not exist")
-    meta_path, model_path = d / META_FILE, d / model_file
-    if not model_path.is_file() or not meta_path.is_file():
-        raise ModelError(f"{str(d)!r} is not an exported dsv4-ort model (needs {model_file} and {META_FILE}; "
-                         "create one with `dsv4-ort export`)")
+def load_metadata_file(meta_path: Path) -> dict:
+    """The JSON of an existing dsv4_ort.json, checked as a dsv4-ort export of this format version (single graph or
+    pipeline stages)."""
     try:
         meta = json.loads(meta_path.read_text())
     except ValueError as e:
@@ -62,6 +56,23 @@ def read_metadata(model_dir: str | os.PathLike, model_file: str = MODEL_FILE) ->
         raise ModelError(f"{meta_path}: export format {meta.get('format_version')!r}, this dsv4-ort reads "
                          f"{FORMAT_VERSION}; re-export the model with `dsv4-ort export`")
     _check_metadata(meta, meta_path)
+    return meta
+
+
+def read_metadata(model_dir: str | os.PathLike, model_file: str = MODEL_FILE) -> dict:
+    """dsv4_ort.json of ``model_dir``, checked; ``model_file`` is the graph that must sit beside it (``model.onnx``,
+    or an ORT-format conversion such as ``model.ort``)."""
+    d = Path(model_dir)
+    if not d.is_dir():
+        raise ModelError(f"model directory {str(d)!r} does not exist")
+    meta_path, model_path = d / META_FILE, d / model_file
+    if not model_path.is_file() and meta_path.is_file() and '"pipeline"' in meta_path.read_text(errors="replace"):
+        raise ModelError(f"{str(d)!r} is an export in pipeline stages (model.stage<i>.onnx): open it with "
+                         "dsv4_ort.runtime.pipeline.PipelineSession")
+    if not model_path.is_file() or not meta_path.is_file():
+        raise ModelError(f"{str(d)!r} is not an exported dsv4-ort model (needs {model_file} and {META_FILE}; "
+                         "create one with `dsv4-ort export`)")
+    meta = load_metadata_file(meta_path)
     data_path = d / DATA_FILE
     if data_path.is_file():
         found = read_export_trailer(data_path)
@@ -128,15 +139,20 @@ def _check_against_graph(meta: dict, session, model_path: Path) -> None:
             fixed = [(a, b) for a, b in zip(arg.shape, t["shape"]) if isinstance(a, int)]
             if len(arg.shape) != len(t["shape"]) or any(a != b for a, b in fixed):
                 raise mismatch(f"state tensor {name!r} has shape {arg.shape} in the graph, {t['shape']} in the JSON")
-    for name in sorted(set(inputs) - listed_in - {"input_ids", "start_pos"}):
+    # an export with its MTP block (export/mtp.py) adds the output "hidden" and, for last-position logits, the input
+    # "num_logits"; the JSON's "mtp" section lists them
+    mtp = meta.get("mtp") if isinstance(meta.get("mtp"), dict) and meta["mtp"].get("exported") else {}
+    mtp_in, mtp_out = set(mtp.get("main_inputs", ())), set(mtp.get("main_outputs", ()))
+    for name in sorted(set(inputs) - listed_in - {"input_ids", "start_pos"} - mtp_in):
         raise mismatch(f"graph input {name!r} is not in the JSON's state tensors")
-    for name in sorted(set(outputs) - listed_out - {"logits"}):
+    for name in sorted(set(outputs) - listed_out - {"logits"} - mtp_out):
         raise mismatch(f"graph output {name!r} is not in the JSON's state tensors")
     logits = outputs.get("logits")
     vocab = meta["config"]["vocab_size"]
     if logits is None or (logits.shape and isinstance(logits.shape[-1], int) and logits.shape[-1] != vocab):
         raise mismatch(f"the logits output is {None if logits is None else logits.shape}, the vocabulary {vocab}")
-    if len(logits.shape) != 3 or (meta["logits"] == "last") != (logits.shape[1] == 1):
+    last = logits.shape[1] == 1 or ("num_logits" in mtp_in and logits.shape[1] == "num_logits")
+    if len(logits.shape) != 3 or (meta["logits"] == "last") != last:
         raise mismatch(f"logits {meta['logits']!r} in the JSON, an output of shape {logits.shape} in the graph")
 
 
@@ -259,6 +275,13 @@ class Session:
         kernels: force kernel families to levels, like DSV4_ORT_KERNELS ("linear=avx2,indexer=scalar"; capped by
             ``isa``); default: the library's plan for this CPU (see ``families`` / ``family_source``).
         prefill_chunk: split prompts longer than this into chunks (default: no split).
+        batch_invariant: a row bound N (0 = off; default: DSV4_ORT_BATCH_INVARIANT, else off). Every call of at most
+            N rows (in particular a decode step of up to N sequences) then gives each row, bit for bit, what it gets
+            run alone: the linears and MoE experts keep such calls on their one-row summation order instead of the
+            panels / AMX tiles, which costs batched-decode speed at large N. The serving engine
+            (:class:`~.engine.Engine`) needs N >= its ``max_batch`` for outputs that do not depend on the other
+            requests; ``dsv4-ort serve`` sets it. Calls of more rows (prompt chunks longer than N tokens) run as
+            usual.
         model_file: the graph file in ``model_dir``: ``model.onnx`` (default), or an ORT-format conversion of it
             (``model.ort``, from ``python -m onnxruntime.tools.convert_onnx_models_to_ort``; weights inside the file,
             so the directory needs only it and dsv4_ort.json).
@@ -271,7 +294,8 @@ class Session:
     MAX_THREADS = 1024
 
     def __init__(self, model_dir: str | os.PathLike, *, intra_op_threads: int | None = None, isa: str | None = None,
-                 prefill_chunk: int | None = None, kernels: str | None = None, model_file: str = MODEL_FILE):
+                 prefill_chunk: int | None = None, kernels: str | None = None, model_file: str = MODEL_FILE,
+                 batch_invariant: int | None = None):
         import onnxruntime as ort
 
         import dsv4_ort
@@ -287,7 +311,9 @@ class Session:
         self.meta = read_metadata(model_dir, model_file)
         if kernels is not None and not isinstance(kernels, str):
             raise TypeError(f"kernels must be a str like 'linear=avx2,indexer=scalar', got {type(kernels).__name__}")
-        info = dsv4_ort.library_info(isa, kernels)
+        if batch_invariant is not None:
+            batch_invariant = check_count("batch_invariant", batch_invariant, minimum=0)
+        info = dsv4_ort.library_info(isa, kernels, batch_invariant)
         if self.meta.get("domain") != info["domain"]:
             raise ModelError(f"model uses op domain {self.meta.get('domain')!r}; this library implements "
                              f"{info['domain']!r}")
@@ -301,6 +327,7 @@ class Session:
         _check_node_attributes(self.model_path, info["domain"])
         self.isa = info["isa"]
         self.families = dict(info["families"])  # family -> ISA level its kernels run at in this session
+        self.batch_invariant = int(info["batch_invariant_rows"])  # row bound of batch invariance (0: off)
         self.config = self.meta["config"]
         self.vocab_size = int(self.config["vocab_size"])
         self.max_seq_len = int(self.meta["max_seq_len"])
@@ -317,7 +344,7 @@ class Session:
         # Fatal only: every error reaches the caller as an exception with the same text, so onnxruntime's own log lines
         # would only repeat it (and break the one-line error of the command line).
         so.log_severity_level = 4
-        with dsv4_ort.isa_cap(isa, kernels):
+        with dsv4_ort.isa_cap(isa, kernels, batch_invariant):
             dsv4_ort.register(so)
             try:
                 self.session = ort.InferenceSession(str(self.model_path), so,
@@ -429,12 +456,17 @@ class Session:
 
     def stream(self, prompt_ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: int | None = None, stop_ids: Sequence[int] | None = None,
-               state: State | None = None, stats: dict | None = None) -> Iterator[int]:
+               state: State | None = None, stats: dict | None = None, speculative: str | None = None,
+               num_draft: int = 1) -> Iterator[int]:
         """Yields up to ``max_new_tokens`` new token ids for one prompt (stops after a stop id, which is yielded).
 
         Every argument is checked when ``stream`` is called, before anything runs (see :mod:`.sampling` for the
         sampling parameters; ``max_new_tokens`` is an integer >= 0, ``seed`` None or an integer >= 0). Logits
-        that are not finite are a ValueError naming the step (step 0 samples from the prompt's logits)."""
+        that are not finite are a ValueError naming the step (step 0 samples from the prompt's logits).
+
+        ``speculative="mtp"``: draft ``num_draft`` (1 to 3) tokens per step with the export's MTP block and verify
+        them in one forward (an export with ``--mtp``; see :mod:`.speculative`): greedy tokens are those of plain
+        decoding, sampled ones follow the same distribution."""
         prompt = _token_ids(prompt_ids, "prompt_ids", self.vocab_size)
         if prompt.ndim == 2 and prompt.shape[0] == 1:
             prompt = prompt[0]
@@ -450,7 +482,21 @@ class Session:
         start = 0 if state is None else int(state.positions.max())
         args = self._check_generation(prompt.shape[0], max_new_tokens, temperature, top_p, top_k, seed, stop_ids,
                                       start)
+        speculative, num_draft = check_speculative(speculative, num_draft)
+        if speculative is not None:
+            from .speculative import stream_tokens
+
+            return stream_tokens(self.speculator(), prompt.reshape(1, -1), state, stats, num_draft, *args)
         return self._stream(prompt.reshape(1, -1), state, stats, *args)
+
+    def speculator(self):
+        """The :class:`~.speculative.MtpSpeculator` of this session (its MTP graph loaded on first use)."""
+        spec = getattr(self, "_speculator", None)
+        if spec is None:
+            from .speculative import MtpSpeculator
+
+            spec = self._speculator = MtpSpeculator(self)
+        return spec
 
     def _stream(self, prompt, state, stats, max_new_tokens, temperature, top_k, top_p, seed, stops):
         state = state or self.new_state(1)
@@ -473,22 +519,32 @@ class Session:
                 stats["decode_s"] += time.perf_counter() - t
 
     def generate(self, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int | None = None, stop_ids: Sequence[int] | None = None) -> list:
+                 top_k: int = 0, seed: int | None = None, stop_ids: Sequence[int] | None = None,
+                 speculative: str | None = None, num_draft: int = 1) -> list:
         """New token ids for one prompt (list of ints) or a batch of equal-length prompts (list of lists).
-        Arguments are checked as by :meth:`stream`."""
+        Arguments are checked as by :meth:`stream` (``speculative`` / ``num_draft`` too: with a batch the rows
+        accept different numbers of drafts and run on at their own positions)."""
         arr = _token_ids(prompt_ids, "prompt_ids", self.vocab_size)
         if arr.ndim == 1:
             return list(self.stream(arr, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                    seed=seed, stop_ids=stop_ids))
+                                    seed=seed, stop_ids=stop_ids, speculative=speculative, num_draft=num_draft))
         if arr.ndim != 2:
             raise ValueError(f"prompt_ids must be 1-D or 2-D, got shape {arr.shape}")
         if arr.shape[0] == 0 or arr.shape[1] == 0:
             raise ValueError(f"the prompt batch is empty (shape {arr.shape})")
         max_new_tokens, temperature, top_k, top_p, seed, stops = self._check_generation(
             arr.shape[1], max_new_tokens, temperature, top_p, top_k, seed, stop_ids)
+        speculative, num_draft = check_speculative(speculative, num_draft)
         B = arr.shape[0]
         out = [[] for _ in range(B)]
         if max_new_tokens == 0:
+            return out
+        if speculative is not None:
+            for step in self.speculator().generate(arr, max_new_tokens, num_draft=num_draft, temperature=temperature,
+                                                   top_k=top_k, top_p=top_p, rng=np.random.default_rng(seed),
+                                                   stops=stops):
+                for b, toks in enumerate(step):
+                    out[b].extend(toks)
             return out
         state = self.new_state(B)
         rng = np.random.default_rng(seed)

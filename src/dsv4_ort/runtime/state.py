@@ -54,6 +54,9 @@ class State:
         binding = session.io_binding()
         self._start_pos = ort.OrtValue.ortvalue_from_numpy(self.positions)
         binding.bind_ortvalue_input("start_pos", self._start_pos)
+        if any(i.name == "num_logits" for i in session.get_inputs()):  # a main graph exported with its MTP block
+            self._num_logits = np.ones(1, np.int64)  # plain runs: the last position's logits (runtime/speculative.py)
+            binding.bind_ortvalue_input("num_logits", ort.OrtValue.ortvalue_from_numpy(self._num_logits))
         for in_name, out_name, _, value in self.tensors:
             binding.bind_ortvalue_input(in_name, value)
             binding.bind_ortvalue_output(out_name, value)
@@ -92,6 +95,16 @@ class State:
         for _, _, buf, _ in self.tensors:
             buf[dst] = buf[src]
         self.positions[dst] = self.positions[src]
+
+    def swap_rows(self, a: int, b: int) -> None:
+        """Rows ``a`` and ``b`` exchange their sequences (every buffer and the position)."""
+        if a == b:
+            return
+        for _, _, buf, _ in self.tensors:
+            saved = buf[a].copy()
+            buf[a] = buf[b]
+            buf[b] = saved
+        self.positions[[a, b]] = self.positions[[b, a]]
 
     @property
     def nbytes(self) -> int:

@@ -29,7 +29,8 @@ class _Uvicorn(uvicorn.Server):
         host, port = self.servers[0].sockets[0].getsockname()[:2]
         host = f"[{host}]" if ":" in host else host
         print(f"dsv4-ort serve: {self.model} on http://{host}:{port} (OpenAI API at http://{host}:{port}/v1; "
-              f"max batch {self.engine.max_batch}, {self.engine.session.threads} threads)", flush=True)
+              f"max batch {self.engine.max_batch}{', batch-invariant' if self.engine.batch_invariant else ''}, "
+              f"{self.engine.session.threads} threads)", flush=True)
 
     def handle_exit(self, sig, frame) -> None:
         # not recorded as a captured signal: uvicorn would re-raise it after the shutdown (status 130 / 143).
@@ -47,7 +48,15 @@ def run(args) -> int:
     from ..runtime.cli import open_session
     from ..runtime.engine import Engine
 
-    session = open_session(args.model_dir, threads=args.threads, isa=args.isa, need_text=False)
+    # an export in pipeline stages: its stages in this process, or one Ray actor each with --ray
+    ray_address = getattr(args, "ray_address", None)
+    pipeline = {"backend": "ray" if ray_address else "local", "micro_batches": getattr(args, "micro_batches", None)}
+    if ray_address:
+        pipeline["ray_address"] = ray_address
+    # Batch invariance up to --max-batch rows: a request's tokens do not depend on what decodes beside it.
+    session = open_session(args.model_dir, threads=args.threads, isa=args.isa, need_text=False,
+                           batch_invariant=args.max_batch if getattr(args, "batch_invariant", True) else 0,
+                           pipeline=pipeline)
     engine = Engine(session, max_batch=args.max_batch, max_queue=args.max_queue,
                     prefill_chunk=args.prefill_chunk).start()
     model = Path(args.model_dir).resolve().name
@@ -59,6 +68,8 @@ def run(args) -> int:
         server.run()
     finally:
         engine.stop("the server is shutting down")
+        if hasattr(session, "close"):  # a pipeline's stages (Ray actors) stop with the server
+            session.close()
     if not server.started:
         print(f"dsv4-ort serve: error: could not listen on {args.host}:{args.port}", file=sys.stderr)
         return 1

@@ -1,0 +1,177 @@
+"""MTP speculative decoding: step costs, measured acceptance and tokens/s, and the speed-up they project.
+
+For an export with its MTP block (``dsv4-ort export --mtp``), at a context of ``--context`` tokens, batch 1:
+
+* ``decode``: a plain decode step (one token, last-position logits);
+* ``verify[k]``: one main forward of k + 1 tokens with k + 1 logits and the streams (what a speculative cycle
+  runs), and its ratio to ``decode``;
+* ``draft[k]``: the MTP block's catch-up (k + 1 positions, the most a cycle needs) plus k - 1 one-token drafts;
+* ``rollback``: snapshot + restore of the state rows of a k + 1-token step (runtime/speculative.py).
+
+Then a greedy generation of ``--tokens`` tokens plain and with ``speculative="mtp"`` for each k (same tokens: the
+session runs with batch invariance), giving the measured acceptance (accepted / drafted) and tokens/s, and the
+speed-up projected at acceptance 0.6 / 0.8 / 0.9 from the measured costs: a cycle emits ``(1 - a^(k+1)) / (1 - a)``
+tokens on average (each draft accepted with probability a, independently) for ``verify[k] + draft[k] +
+rollback`` seconds.
+
+usage: python -m dsv4_ort.bench.speculative MODEL_DIR [--threads N] [--context N] [--tokens N] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+PROJECTED_ACCEPTANCE = (0.6, 0.8, 0.9)
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def step_costs(sess, context: int, repeats: int = 7, drafts=(1, 2, 3)) -> dict:
+    """Median seconds of the steps of a speculative cycle at ``context`` tokens (state rolled back after each)."""
+    from dsv4_ort.runtime.speculative import Rollback
+
+    spec = sess.speculator()
+    rng = np.random.default_rng(0)
+    state = sess.new_state(1)
+    sess.forward(rng.integers(0, sess.vocab_size, (1, context)), state, chunk_size=256)
+    rb = Rollback(state, spec.main_ratios)
+    pos = state.positions.copy()
+
+    def plain():
+        snap = rb.snapshot(pos, 1)
+        sess.forward(rng.integers(0, sess.vocab_size, (1, 1)), state)
+        rb.restore(snap, np.zeros(1, np.int64))
+        state.positions[:] = pos
+
+    out = {"context": context, "decode_s": _median_seconds(plain, repeats)}
+    mstate = spec.new_mtp_state(1)
+    mstate.positions[:] = pos
+    mrb = Rollback(mstate, spec.mtp_ratios)
+    hc, d = spec.hc, spec.d
+    for k in drafts:
+        ids = rng.integers(0, sess.vocab_size, (1, k + 1))
+
+        def verify():
+            snap = rb.snapshot(pos, k + 1)
+            spec.main_step(state, ids, k + 1)
+            rb.restore(snap, np.zeros(1, np.int64))
+
+        def draft():
+            snap = mrb.snapshot(pos, 2 * k)
+            _, h = spec.mtp_step(mstate, np.zeros((1, k + 1, hc, d), np.float32), ids, 1)
+            for j in range(k - 1):
+                mstate.positions[:] = pos + k + 1 + j
+                _, h = spec.mtp_step(mstate, h[:, -1:], ids[:, :1], 1)
+            mstate.positions[:] = pos
+            mrb.restore(snap, np.zeros(1, np.int64))
+
+        def rollback():
+            rb.restore(rb.snapshot(pos, k + 1), np.ones(1, np.int64))
+
+        out[f"verify_{k}_s"] = _median_seconds(verify, repeats)
+        out[f"verify_{k}_ratio"] = out[f"verify_{k}_s"] / out["decode_s"]
+        out[f"draft_{k}_s"] = _median_seconds(draft, repeats)
+        out[f"rollback_{k}_s"] = _median_seconds(rollback, repeats)
+    return out
+
+
+def projected_speedup(costs: dict, k: int, acceptance: float) -> float:
+    """Plain step time per token / speculative time per token at per-draft acceptance ``acceptance``."""
+    a = acceptance
+    per_cycle = (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1
+    cycle = costs[f"verify_{k}_s"] + costs[f"draft_{k}_s"] + costs[f"rollback_{k}_s"]
+    return per_cycle * costs["decode_s"] / cycle
+
+
+def generation(sess, tokens: int, prompt_len: int = 32, drafts=(1, 2, 3)) -> dict:
+    """Greedy tokens/s plain and speculative (decode phase), acceptance, and whether the tokens agree."""
+    prompt = np.random.default_rng(1).integers(0, sess.vocab_size, prompt_len).tolist()
+    st = {}
+    want = list(sess.stream(prompt, tokens, stats=st))
+    out = {"tokens": tokens, "plain_tok_s": st["decode_tokens"] / st["decode_s"]}
+    for k in drafts:
+        st = {}
+        got = list(sess.stream(prompt, tokens, speculative="mtp", num_draft=k, stats=st))
+        out[f"mtp_{k}"] = {"tok_s": st["decode_tokens"] / st["decode_s"], "acceptance": st["accepted"] / st["drafted"],
+                           "tokens_per_cycle": st["decode_tokens"] / st["cycles"], "identical": got == want,
+                           "mtp_s": st["mtp_s"], "verify_s": st["verify_s"], "rollback_s": st["rollback_s"]}
+        out[f"mtp_{k}"]["speedup"] = out[f"mtp_{k}"]["tok_s"] / out["plain_tok_s"]
+    return out
+
+
+def cpu_name() -> str:
+    """The CPU as the README names it: model name, family and model number."""
+    import re
+    from pathlib import Path
+
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown CPU"
+
+    def field(name):
+        m = re.search(rf"^{name}\s*:\s*(.+)$", text, re.M)
+        return m.group(1).strip() if m else "?"
+
+    model = field("model")
+    return f"{field('model name')}, family {field('cpu family')} model {hex(int(model)) if model.isdigit() else model}"
+
+
+def run(model_dir, *, threads: int = 2, context: int = 512, tokens: int = 128, repeats: int = 7) -> dict:
+    from dsv4_ort.runtime import Session
+
+    sess = Session(model_dir, intra_op_threads=threads, batch_invariant=8)
+    costs = step_costs(sess, context, repeats)
+    gen = generation(sess, tokens)
+    proj = {k: {str(a): projected_speedup(costs, k, a) for a in PROJECTED_ACCEPTANCE} for k in (1, 2, 3)}
+    return {"model": str(model_dir), "threads": threads, "cpu": cpu_name(), "costs": costs, "generation": gen,
+            "projected_speedup": proj}
+
+
+def markdown(r: dict) -> str:
+    c, g = r["costs"], r["generation"]
+    lines = [f"MTP speculative decoding, {r['threads']} threads, context {c['context']} ({r['cpu']})", "",
+             "| k | verify k+1 / decode | draft ms | rollback ms | measured acceptance | tok/s (plain "
+             f"{g['plain_tok_s']:.2f}) | identical | projected x at 0.6 / 0.8 / 0.9 |", "|---|---|---|---|---|---|---|---|"]
+    for k in (1, 2, 3):
+        m, p = g[f"mtp_{k}"], r["projected_speedup"][k]
+        lines.append(f"| {k} | {c[f'verify_{k}_ratio']:.3f} | {1e3 * c[f'draft_{k}_s']:.1f} | "
+                     f"{1e3 * c[f'rollback_{k}_s']:.2f} | {m['acceptance']:.2f} | {m['tok_s']:.2f} "
+                     f"({m['speedup']:.2f}x) | {m['identical']} | "
+                     f"{' / '.join(f'{p[str(a)]:.2f}' for a in PROJECTED_ACCEPTANCE)} |")
+    lines.append(f"\nplain decode step {1e3 * c['decode_s']:.1f} ms")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dsv4_ort.bench.speculative", description=__doc__.split("\n\n")[0])
+    p.add_argument("model_dir")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = p.parse_args(argv)
+    r = run(args.model_dir, threads=args.threads, context=args.context, tokens=args.tokens, repeats=args.repeats)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(r, f, indent=2)
+    print(markdown(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
