@@ -91,6 +91,11 @@ def _add_serve_parser(sub, common) -> None:
     serve.add_argument("--micro-batches", type=positive, default=None, metavar="N",
                        help="pipeline stages: decode rows split into N groups that follow each other through the "
                             "stages (default: one per stage with --ray, 1 without)")
+    serve.add_argument("--speculative", choices=("mtp",), default=None,
+                       help="speculative decoding with the export's MTP block (an export with --mtp): drafts "
+                            "verified in one step per request; greedy outputs are those of plain decoding")
+    serve.add_argument("--num-draft", type=positive, default=2, metavar="K",
+                       help="with --speculative: tokens drafted per step, 1 to 3 (default 2)")
     serve.set_defaults(func=_cmd_serve)
 
 

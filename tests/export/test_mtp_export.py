@@ -17,13 +17,15 @@ from dsv4_ort.export import schema
 
 @pytest.fixture(scope="module")
 def exported(cache, tmp_path_factory):
-    """A random tiny checkpoint exported twice: plain, and with its MTP block."""
+    """A random tiny checkpoint exported twice: plain, and with its MTP block drafting with the main head (the
+    reference's MTP logits; the default FP4 draft head is tested in test_fp4_draft_head)."""
     from dsv4_ort.export import export_model
 
     require_library()
     ck = cache.checkpoint("tiny")
     root = tmp_path_factory.mktemp("mtp")
-    mtp = export_model(ck, root / "mtp", max_seq_len=256, logits="last", mtp=True, progress=False)
+    mtp = export_model(ck, root / "mtp", max_seq_len=256, logits="last", mtp=True, mtp_head="shared",
+                       progress=False)
     plain = cache.export(("tiny",), logits="last", max_seq_len=256)
     return plain, mtp
 
@@ -178,10 +180,41 @@ def test_mtp_decode_token_by_token_and_rows_at_different_positions(exported, cac
         assert rel_err(g, want) < REL_TOL, b
 
 
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+def test_requantised_draft_head(exported, cache, tmp_path, fmt):
+    """The default draft head: mtp.onnx reads its own FP4 / FP8 copy of the head (E8M0 block scales) instead of the
+    main head, the main graph is unchanged (bitwise), and the MTP logits stay close to the exact head's (the copy is
+    requantised from the exact weights: mostly the same argmax)."""
+    from dsv4_ort.export import export_model
+    from dsv4_ort.export.mtp import DRAFT_HEAD
+
+    shared_path = exported[1]
+    path = export_model(cache.checkpoint("tiny"), tmp_path / fmt, max_seq_len=256, logits="last", mtp=True,
+                        mtp_head=fmt, progress=False)
+    g = onnx.load(str(path.parent / "mtp.onnx"), load_external_data=False).graph
+    names = {t.name: t for t in g.initializer}
+    assert DRAFT_HEAD in names and "head.weight" not in names
+    assert names[DRAFT_HEAD].data_type == (onnx.TensorProto.UINT8 if fmt == "fp4" else onnx.TensorProto.FLOAT8E4M3FN)
+    ids = random_ids(512, (2, 30), seed=9)
+    runs = [Run(p) for p in (shared_path, path)]
+    out = []
+    for r in runs:
+        logits, hidden = r.main_run(ids, [0, 0], r.state(r.meta["state"]["tensors"], 2), 30)
+        mtp_logits, _ = r.mtp_run(hidden[:, :-1], ids[:, 1:], [0, 0], r.state(r.meta["mtp"]["state"]["tensors"], 2),
+                                  29)
+        out.append((logits, mtp_logits))
+    np.testing.assert_array_equal(out[0][0], out[1][0])
+    exact, draft = out[0][1], out[1][1]
+    assert rel_err(draft, exact) < (0.18 if fmt == "fp4" else 0.05), rel_err(draft, exact)
+    assert (draft.argmax(-1) == exact.argmax(-1)).mean() > (0.65 if fmt == "fp4" else 0.9)  # random logits: near-ties
+
+
 def test_export_arguments(cache, tmp_path):
     from dsv4_ort.export import export_model
     from dsv4_ort.export.exporter import ExportError
 
+    with pytest.raises(ExportError, match="mtp_head must be 'shared', 'fp8' or 'fp4'"):
+        export_model(None, tmp_path / "f", preset="tiny", mtp=True, mtp_head="int4", progress=False)
     with pytest.raises(ExportError, match="mtp_weights needs mtp=True"):
         export_model(None, tmp_path / "a", preset="tiny", mtp_weights={}, progress=False)
     with pytest.raises(ExportError, match="cannot be combined with stages"):

@@ -229,3 +229,70 @@ def test_arguments_and_models_without_mtp(cache, random_mtp):
     plain = Session(cache.export(("tiny",), logits="last", max_seq_len=256).parent, intra_op_threads=1)
     with pytest.raises(SpeculativeError, match="no MTP graph"):
         plain.generate([1, 2], 4, speculative="mtp")
+
+
+# ---- the engine (continuous batching) -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_engine_speculative_greedy_equals_plain(fitted_mtp, k):
+    """Continuous batching with speculative cycles: 6 greedy requests of different prompt lengths over 3 rows
+    (queueing, rows reused and moved, chunked prefill with the MTP catch-up per chunk, rows at different positions
+    accepting different numbers of drafts) each get the tokens of plain greedy decoding alone, to the token count."""
+    from dsv4_ort.runtime.engine import Engine, SamplingParams
+
+    sess = session(fitted_mtp)
+    prompts = [random_ids(sess.vocab_size, (n,), seed=40 + n) for n in (3, 9, 14, 23, 30, 41)]
+    lengths = [150, 37, 90, 121, 64, 200]
+    want = [sess.generate(p, n) for p, n in zip(prompts, lengths)]
+    eng = Engine(sess, max_batch=3, prefill_chunk=8, speculative="mtp", num_draft=k)
+    assert eng.batch_invariant and eng.rows_per_call == 3 * (k + 1)
+    reqs = [eng.submit(p, SamplingParams(max_tokens=n)) for p, n in zip(prompts, lengths)]
+    eng.run_until_idle()
+    got = [r.result(timeout=0) for r in reqs]
+    assert [g["tokens"] for g in got] == want
+    assert all(g["finish_reason"] == "length" for g in got)
+    m = eng.metrics()
+    assert m["speculative"] == "mtp" and m["drafted"] > 0 and 0 < m["accepted"] <= m["drafted"]
+    assert m["completion_tokens"] == sum(lengths)
+    base = Engine(sess, max_batch=3, prefill_chunk=8)  # the same requests without drafts: every step one token
+    for p, n in zip(prompts, lengths):
+        base.submit(p, SamplingParams(max_tokens=n))
+    base.run_until_idle()
+    assert eng.stats["steps"] < base.stats["steps"]
+
+
+def test_engine_speculative_stop_ids_and_sampling(fitted_mtp):
+    """A stop id inside a cycle's accepted tokens ends the request at it; sampled requests beside greedy ones run
+    to their length with their own seeds (reproducibly: the same seeds give the same tokens)."""
+    from dsv4_ort.runtime.engine import Engine, SamplingParams
+
+    sess = session(fitted_mtp)
+    prompt = random_ids(sess.vocab_size, (12,), seed=50)
+    plain = sess.generate(prompt, 120)
+    stop = plain[70]
+    cut = plain[:plain.index(stop) + 1]
+
+    def run():
+        eng = Engine(sess, max_batch=4, speculative="mtp", num_draft=2)
+        reqs = [eng.submit(prompt, SamplingParams(max_tokens=120, stop_ids=(stop,))),
+                eng.submit(prompt, SamplingParams(max_tokens=50, temperature=0.8, seed=1)),
+                eng.submit(prompt, SamplingParams(max_tokens=50, temperature=1.0, top_k=20, seed=2))]
+        eng.run_until_idle()
+        return [r.result(timeout=0) for r in reqs]
+
+    first, again = run(), run()
+    assert first[0]["tokens"] == cut and first[0]["finish_reason"] == "stop"
+    assert [len(r["tokens"]) for r in first[1:]] == [50, 50]
+    assert first[1]["tokens"] != first[2]["tokens"]
+    assert [r["tokens"] for r in first] == [r["tokens"] for r in again]
+
+
+def test_engine_speculative_needs_an_mtp_export(cache):
+    from dsv4_ort.runtime.engine import Engine
+
+    require_library()
+    plain = Session(cache.export(("tiny",), logits="last", max_seq_len=256).parent, intra_op_threads=1)
+    with pytest.raises(SpeculativeError, match="no MTP graph"):
+        Engine(plain, speculative="mtp")
+    with pytest.raises(ValueError, match="num_draft must be <= 3"):
+        Engine(plain, speculative="mtp", num_draft=4)

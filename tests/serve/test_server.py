@@ -83,3 +83,41 @@ def test_bad_arguments(model, args, what):
 def test_missing_model_dir(tmp_path):
     r = _cli("serve", str(tmp_path / "nothing"))
     assert r.returncode == 2 and "does not exist" in r.stderr and r.stderr.count("\n") == 1
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory):
+    from dsv4_ort.export import export_model
+
+    require_library()
+    return export_model(None, tmp_path_factory.mktemp("serve-mtp") / "tiny", preset="tiny", max_seq_len=512,
+                        mtp=True, progress=False).parent
+
+
+def test_speculative_mtp_serves_the_plain_greedy_tokens(mtp_model):
+    """`serve --speculative mtp`: batch-invariant over the verify rows (the ready line says both), a greedy
+    completion is the plain greedy continuation, /metrics counts drafted and accepted tokens."""
+    from dsv4_ort.runtime import Session
+
+    prompt = [7, 8, 9, 10, 11]
+    want = Session(mtp_model, intra_op_threads=1, batch_invariant=6).generate(prompt, 40)
+    srv = ServerProcess(mtp_model, "--max-batch", "2", "--speculative", "mtp", "--num-draft", "2")
+    try:
+        assert "batch-invariant" in srv.ready_line and "speculative mtp k=2" in srv.ready_line, srv.ready_line
+        with httpx.Client(timeout=120) as c:
+            bodies = [{"prompt": prompt, "max_tokens": 40, "ignore_eos": True, "temperature": 0},
+                      {"prompt": prompt[:3], "max_tokens": 25, "ignore_eos": True, "temperature": 0.9, "seed": 3}]
+            out = [c.post(srv.url + "/v1/completions", json=b).json() for b in bodies]
+            metrics = c.get(srv.url + "/metrics").text
+        assert out[0]["usage"]["completion_tokens"] == 40 and out[1]["usage"]["completion_tokens"] == 25
+        assert out[0]["choices"][0]["text"] == " ".join(map(str, want))  # no tokenizer: the text is the ids
+        assert "dsv4_ort_spec_draft_tokens_total" in metrics and "dsv4_ort_spec_accepted_tokens_total" in metrics
+    finally:
+        srv.stop()
+
+
+def test_speculative_needs_an_mtp_export(model):
+    r = _cli("serve", str(model), "--speculative", "mtp")
+    assert r.returncode == 2 and "no MTP graph" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    r = _cli("serve", str(model), "--speculative", "mtp", "--num-draft", "4")
+    assert r.returncode == 2 and "num_draft must be <= 3" in r.stderr and r.stderr.count("\n") == 1, r.stderr

@@ -125,6 +125,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--mtp-weights", default=None, metavar="NPZ",
                    help="with --mtp: fitted mtp.0.* tensors replacing the checkpoint's (python -m "
                         "dsv4_ort.models.mtp_fit)")
+    p.add_argument("--mtp-head", choices=("fp4", "fp8", "shared"), default="fp4",
+                   help="with --mtp: the head the MTP block drafts with: an fp4 (default) or fp8 copy of the head "
+                        "(a draft step reads the head; drafts only propose, outputs do not change) or the main "
+                        "model's head (shared)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
     p.set_defaults(func=run)
     return p
@@ -160,7 +164,7 @@ def run(args) -> int:
         path = export_model(checkpoint, out_dir, preset=args.preset, weights=args.weights, head=args.head,
                             dense=args.dense, compute=args.compute, max_seq_len=args.max_seq_len,
                             max_batch=args.max_batch, stages=args.stages, mtp=args.mtp,
-                            mtp_weights=args.mtp_weights, logits=args.logits, progress=not args.quiet,
+                            mtp_weights=args.mtp_weights, mtp_head=args.mtp_head, logits=args.logits, progress=not args.quiet,
                             seed=args.seed, state=args.state)
     except ImportError as e:
         return _fail(f"the exporter needs the 'export' extra (pip install 'dsv4-ort[export]'): {e}")

@@ -182,7 +182,7 @@ def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights:
                  max_seq_len: int | None = None, max_batch: int = DEFAULT_MAX_BATCH, logits: str = "last",
                  progress: bool = True, seed: int = 0, check: bool = True, state: str = "default",
                  head: str = "native", dense: str = "native", compute: str = "fp32", stages=None,
-                 mtp: bool = False, mtp_weights=None) -> Path:
+                 mtp: bool = False, mtp_weights=None, mtp_head: str = "fp4") -> Path:
     """Export a DeepSeek-V4 checkpoint (or a preset with random weights) to ONNX.
 
     Args:
@@ -215,6 +215,10 @@ def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights:
         mtp: also export the checkpoint's MTP block 0 as ``mtp.onnx`` (sharing ``model.onnx.data``) and give the main
             graph the output ``hidden`` and, with ``logits="last"``, the input ``num_logits``, for speculative
             decoding (see :mod:`dsv4_ort.export.mtp`). The checkpoint must hold the ``mtp.0.*`` tensors.
+        mtp_head: with ``mtp``: the head the MTP graph drafts with: ``fp4`` (default) or ``fp8``, a requantised
+            copy of the head (its own tensor ``mtp.0.draft_head.weight``; a draft only proposes tokens, the main
+            model's head decides), or ``shared``, the main graph's head at its offsets. On a CPU a draft step reads the
+            head: the bf16 head of the bench preset is 529 MB, its FP4 copy 140 MB.
         mtp_weights: with ``mtp``: a ``.npz`` file or a dict of float32 ``mtp.0.*`` tensors (DeepSeek names) that
             replace the checkpoint's, stored in the release formats first (fitted MTP weights of a random-weight
             preset: :mod:`dsv4_ort.models.mtp_fit`).
@@ -248,6 +252,8 @@ def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights:
         raise ExportError(f"mtp must be True or False, got {mtp!r}")
     if mtp_weights is not None and not mtp:
         raise ExportError("mtp_weights needs mtp=True")
+    if mtp_head not in ("shared", "fp8", "fp4"):
+        raise ExportError(f"mtp_head must be 'shared', 'fp8' or 'fp4', got {mtp_head!r}")
     if mtp:
         from .mtp import check_mtp_source, override_mtp
 
@@ -270,7 +276,7 @@ def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights:
         except OSError as e:
             raise ExportError(f"cannot write next to the output directory {str(out_dir)!r} ({e.strerror or e})") \
                 from None
-        requant = {"head": head, "dense": dense}
+        requant = {"head": head, "dense": dense, "mtp_head": mtp_head if mtp else "shared"}
         written, formats = _stream_weights(config, source, writer, weights, progress, ck_dir, requant,
                                            include_mtp=mtp)
         writer.append_trailer(export_trailer(export_id))
@@ -288,7 +294,8 @@ def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights:
             g.initializers.append(external_initializer(writer.entries()[name], DATA_FILE))
         used = {t.name for t in g.initializers}
         if mtp:  # the MTP graph: its own tensors, and the embedding and head at the main graph's offsets
-            mg = MtpGraph(config, written, max_seq_len=max_seq_len, state=state, compute=compute)
+            mg = MtpGraph(config, written, max_seq_len=max_seq_len, state=state, compute=compute,
+                          draft_head=mtp_head != "shared")
             mtp_g = mg.build()
             for name in sorted({n for n in mtp_g.types} & set(writer.entries())):
                 mtp_g.initializers.append(external_initializer(writer.entries()[name], DATA_FILE))
@@ -452,6 +459,35 @@ def _stream_weights(config, source, writer: ExternalDataWriter, mode: str, progr
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover
         tqdm = None
+
+    def put(conv, name, rt, st) -> None:
+        """Writes one converted tensor (and its scale) and records it in ``written``."""
+        src = f"{name} ({rt.file or where})"
+        shared = ".shared_experts." in name
+        if shared:  # the shared expert is a one-expert stack
+            conv.weight.dims = (1, *conv.weight.dims)
+            if conv.scale is not None:
+                conv.scale.dims = (1, *conv.scale.dims)
+        if st is not None:
+            writer.add_part(conv.weight, st[1], E, source=src)
+            if conv.scale is not None:
+                writer.add_part(conv.scale, st[1], E, source=src)
+        else:
+            writer.add(conv.weight, source=src)
+            if conv.scale is not None:
+                writer.add(conv.scale, source=src)
+        out_name = conv.weight.name if st is None else st[0]
+        ent = writer.entries()[out_name]
+        w = Weight(out_name, ent.dtype, ent.dims, conv.fmt, conv.scale.name if conv.scale else None, conv.block)
+        prev = written.get(out_name)
+        if prev is not None and (prev.fmt, prev.block) != (w.fmt, w.block):
+            raise WeightFormatError(f"expert tensors of one layer differ in format ({prev.fmt} vs {w.fmt}) | "
+                                    f"tensor {name!r} | file {rt.file or where!r}")
+        written[out_name] = w
+        if conv.scale is not None:
+            sent = writer.entries()[conv.scale.name]
+            written[conv.scale.name] = Weight(conv.scale.name, sent.dtype, sent.dims, "scale")
+
     bar = tqdm(total=len(specs), unit="tensor", desc="export", disable=not progress, dynamic_ncols=True) \
         if tqdm is not None else None
     try:
@@ -490,30 +526,12 @@ def _stream_weights(config, source, writer: ExternalDataWriter, mode: str, progr
                 from dsv4_ort.models.errors import CorruptCheckpointError
 
                 raise CorruptCheckpointError(str(e), tensor=name, file=rt.file or where) from None
-            src = f"{name} ({rt.file or where})"
-            shared = ".shared_experts." in name
-            if shared:  # the shared expert is a one-expert stack
-                conv.weight.dims = (1, *conv.weight.dims)
-                if conv.scale is not None:
-                    conv.scale.dims = (1, *conv.scale.dims)
-            if st is not None:
-                writer.add_part(conv.weight, st[1], E, source=src)
-                if conv.scale is not None:
-                    writer.add_part(conv.scale, st[1], E, source=src)
-            else:
-                writer.add(conv.weight, source=src)
-                if conv.scale is not None:
-                    writer.add(conv.scale, source=src)
-            ent = writer.entries()[out_name]
-            w = Weight(out_name, ent.dtype, ent.dims, conv.fmt, conv.scale.name if conv.scale else None, conv.block)
-            prev = written.get(out_name)
-            if prev is not None and (prev.fmt, prev.block) != (w.fmt, w.block):
-                raise WeightFormatError(f"expert tensors of one layer differ in format ({prev.fmt} vs {w.fmt}) | "
-                                        f"tensor {name!r} | file {rt.file or where!r}")
-            written[out_name] = w
-            if conv.scale is not None:
-                sent = writer.entries()[conv.scale.name]
-                written[conv.scale.name] = Weight(conv.scale.name, sent.dtype, sent.dims, "scale")
+            put(conv, name, rt, st)
+            if name == "head.weight" and requant.get("mtp_head", "shared") != "shared":
+                # the MTP graph's draft head: a requantised copy of the exact head (see export_model's mtp_head)
+                from .mtp import DRAFT_HEAD
+
+                put(requantize(rt, convert(rt, DRAFT_HEAD, mode), requant["mtp_head"]), name, rt, None)
             formats.setdefault(_category(name), set()).add(conv.fmt)
             release_pages(rt.data)  # written and never read again
             del rt, conv

@@ -6,8 +6,11 @@ token t + 2 + J (:class:`dsv4_ort.models.model.MTPBlock`). ``export_model(..., m
 --mtp``) exports block 0 as its own graph:
 
 * ``mtp.onnx`` shares ``model.onnx.data``: its initializers are the ``mtp.0.*`` tensors (written into the same data
-  file) plus the main model's ``embed.weight`` and ``head.weight``, referenced at the same offsets, so the two
-  sessions memory-map one copy of the embedding and the head;
+  file) plus the main model's ``embed.weight``, referenced at the same offsets, so the two sessions memory-map one
+  copy of the embedding. It drafts with ``mtp.0.draft_head.weight``, an FP4 (default) or FP8 copy of the head
+  requantised from the exact weights (``mtp_head``): a draft step on a CPU is bound by the bytes it reads, and the
+  head is most of them (bf16 head of the bench preset: 529 MB; the MTP layer ~60 MB). Drafts only propose tokens,
+  so this changes acceptance a little, never the output. ``mtp_head="shared"`` uses the main ``head.weight``;
 * the main graph gains the output ``hidden`` (float32 ``[batch, seq, hc, d]``, the last block's streams before
   ``hc_head``: the MTP block's input) and, when exported with ``logits="last"``, the input ``num_logits`` (int64
   ``[1]``): logits of each row's last ``num_logits`` positions (1 for prefill and decode, k + 1 for a verify step
@@ -43,6 +46,7 @@ MTP_FILE = "mtp.onnx"
 MTP_HIDDEN, MTP_NUM_LOGITS = "hidden", "num_logits"  # main graph output / input (and MTP graph inputs)
 MTP_HIDDEN_OUT = "hidden_out"
 MTP_DEPTH = 0  # the one exported block
+DRAFT_HEAD = "mtp.0.draft_head.weight"  # the MTP graph's requantised copy of head.weight (not a checkpoint tensor)
 
 
 def mtp_layer(config, depth: int = MTP_DEPTH) -> int:
@@ -78,14 +82,14 @@ class MainGraphWithMtp(DecoderGraph):
         g.output(MTP_HIDDEN)
 
 
-def _logits(dg: DecoderGraph, x: str, prefix: str, out: str) -> str:
-    """hc_head (``<prefix>hc_head_*``), the norm ``<prefix>norm`` and the shared head on streams x -> output ``out``."""
+def _logits(dg: DecoderGraph, x: str, prefix: str, out: str, head: str = "head.weight") -> str:
+    """hc_head (``<prefix>hc_head_*``), the norm ``<prefix>norm`` and the head ``head`` on streams x -> ``out``."""
     c, g = dg.c, dg.g
     fn, sc, base = (dg._w(f"{prefix}{n}").name for n in ("hc_head_fn", "hc_head_scale", "hc_head_base"))
     y = g.custom("HcHead", {"x": x, "fn": fn, "scale": sc, "base": base}, {"y": f"{prefix}hc_head.out"},
                  f"{prefix}hc_head", rms_eps=float(c.rms_norm_eps), hc_eps=float(c.hc_eps))[0]
     y = dg.rms_norm(y, f"{prefix}norm.weight", f"{prefix}norm")
-    logits = dg.linear(y, "head.weight", out)
+    logits = dg.linear(y, head, out)
     g.output(logits)
     return logits
 
@@ -93,10 +97,12 @@ def _logits(dg: DecoderGraph, x: str, prefix: str, out: str) -> str:
 class MtpGraph(DecoderGraph):
     """MTP block 0 as a graph (see the module docstring); same weights dict and options as the main graph's."""
 
-    def __init__(self, config, weights: dict, *, max_seq_len: int, state: str = "default", compute: str = "fp32"):
+    def __init__(self, config, weights: dict, *, max_seq_len: int, state: str = "default", compute: str = "fp32",
+                 draft_head: bool = False):
         super().__init__(config, weights, max_seq_len=max_seq_len, logits="last", state=state, compute=compute)
         self.state = mtp_state_tensors(config, max_seq_len, state)
         self.layer = mtp_layer(config)
+        self.head_name = DRAFT_HEAD if draft_head else "head.weight"  # DRAFT_HEAD: a requantised copy of the head
 
     def build(self):
         c, g = self.c, self.g
@@ -134,7 +140,7 @@ class MtpGraph(DecoderGraph):
         x = g.node("Slice", [x, start, self._i64("const.last.end", [np.iinfo(np.int64).max]),
                              self._i64("const.axis1", [1])],
                    [("streams.last", ACT, [BATCH, MTP_NUM_LOGITS, hc, d])], "logits.last_positions")[0]
-        _logits(self, x, f"{p}.", "logits")
+        _logits(self, x, f"{p}.", "logits", self.head_name)
         g.output(out)
         for st in self.state:
             g.output(st.output_name)

@@ -21,6 +21,14 @@ is alone (:attr:`Engine.batch_invariant`). Without it, the Linear and MoE expert
 AMX levels pick their inner loop by the number of rows, so a request's float32 rounding, and rarely a greedy
 choice, can depend on its neighbours (the scalar level is invariant either way).
 
+Speculative decoding (``speculative="mtp"``, an export with ``--mtp``; :mod:`.speculative`): prefill also runs
+the MTP block over each chunk's main streams, and a decode step is one speculative cycle over rows ``[0, k)``:
+``num_draft`` drafts per row, one verify call of ``num_draft + 1`` tokens per row, then each row keeps its accepted
+drafts and the main model's next token (so a step emits 1 to ``num_draft + 1`` tokens per request) and the rows of
+its rejected positions are rolled back. The MTP block's state is a second pool of ``max_batch`` rows that moves with
+the main one. Greedy requests get the tokens of plain decoding when the session is batch-invariant over
+``max_batch * (num_draft + 1)`` rows; sampled ones follow the same distribution.
+
 Threads: :meth:`Engine.start` runs steps on one engine thread; :meth:`Engine.submit` may be called from any
 thread and returns a :class:`Request` whose events (:class:`Event`) arrive through a per-request queue (iterate
 the request) or a callback. Without :meth:`start`, :meth:`step` / :meth:`run_until_idle` drive it directly.
@@ -38,6 +46,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from .sampling import check_count, check_logits, check_sampling, check_seed, sample
+from .speculative import RowParams, Rollback, SpeculativeError, check_speculative
 
 
 class EngineError(Exception):
@@ -177,6 +186,7 @@ class Request:
         self.tokens: list = []
         self.last_token = -1
         self.rng = np.random.default_rng(params.seed)
+        self.catch_h = None  # speculative: main streams of the positions the MTP block has not seen yet
         self.detok = Detokenizer(tokenizer)
         self.text = ""  # generated text so far (stop strings cut it)
         self.sent = 0  # characters of text already emitted
@@ -245,20 +255,33 @@ class Engine:
 
     ``max_queue``: requests that may wait while every row is taken (more: :class:`QueueFull`; 0: none wait).
     ``prefill_chunk``: prompt tokens prefilled per step (the per-step prefill budget). ``tokenizer``: for text
-    events and stop strings (default: the session's)."""
+    events and stop strings (default: the session's). ``speculative``: None or "mtp" (``num_draft`` 1 to 3 drafts
+    per step; see the module docstring)."""
 
     def __init__(self, session, *, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 64,
-                 tokenizer=None):
+                 tokenizer=None, speculative: str | None = None, num_draft: int = 1):
         self.session = session
         self.max_batch = check_count("max_batch", max_batch, minimum=1)
         self.max_queue = check_count("max_queue", max_queue, minimum=0)
         self.prefill_chunk = check_count("prefill_chunk", prefill_chunk, minimum=1)
+        self.speculative, self.num_draft = check_speculative(speculative, num_draft)
         self.tokenizer = session.tokenizer if tokenizer is None else tokenizer
         self.capacity = int(session.max_seq_len)
+        self.spec = self.mstate = None
+        if self.speculative is not None:
+            if not hasattr(session, "speculator"):
+                raise SpeculativeError(f"speculative={self.speculative!r} needs a single-graph Session; "
+                                       f"{type(session).__name__} has no MTP graph")
+            self.spec = session.speculator()  # SpeculativeError when the export has no MTP graph
         self.state = session.new_state(self.max_batch)  # allocated once; rows are the slots
-        # every decode call (at most max_batch rows) computes each row as it is alone (Session batch_invariant)
-        self.batch_invariant = int(getattr(session, "batch_invariant", 0)) >= self.max_batch
+        if self.spec is not None:
+            self.mstate = self.spec.new_mtp_state(self.max_batch)  # the MTP block's rows, moved with the main ones
+        # every decode call (at most max_batch rows, times num_draft + 1 for a verify call) computes each row as it
+        # is alone (Session batch_invariant)
+        self.rows_per_call = self.max_batch * (self.num_draft + 1 if self.spec is not None else 1)
+        self.batch_invariant = int(getattr(session, "batch_invariant", 0)) >= self.rows_per_call
         self._views: dict = {}  # (start, stop) -> State view, bound once
+        self._mviews: dict = {}  # the same for the MTP pool, with the Rollback objects of both
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._waiting: list = []  # FIFO of requests without a row (guarded by _lock)
@@ -267,7 +290,8 @@ class Engine:
         self._prefilling: list = []  # FIFO of requests prefilling on their own rows
         self._stopping: str | None = None
         self._thread: threading.Thread | None = None
-        self.stats = {"requests": {}, "prompt_tokens": 0, "completion_tokens": 0, "steps": 0, "decode_rows": 0}
+        self.stats = {"requests": {}, "prompt_tokens": 0, "completion_tokens": 0, "steps": 0, "decode_rows": 0,
+                      "drafted": 0, "accepted": 0}
         self.ttft = Histogram(_LATENCY_BOUNDS)
         self.itl = Histogram(_LATENCY_BOUNDS)
 
@@ -385,9 +409,11 @@ class Engine:
             req.row = row
             self._rows[row] = req
             self.state.positions[row] = 0  # a fresh sequence: stale contents are never read from position 0
+            if self.mstate is not None:
+                self.mstate.positions[row] = 0
             self._prefilling.append(req)
         if self._decoding:
-            self._decode()
+            self._decode() if self.spec is None else self._decode_speculative()
         # prefill budget: whole chunks of the oldest prefilling requests, up to prefill_chunk tokens (at least one
         # chunk); a chunk is never cut to fit, so its boundaries stay multiples of prefill_chunk
         used = 0
@@ -404,26 +430,93 @@ class Engine:
             self._views[key] = self.state.rows(start, stop)
         return self._views[key]
 
+    def _mview(self, start: int, stop: int) -> tuple:
+        """(MTP pool view, main Rollback, MTP Rollback) of rows [start, stop)."""
+        key = (start, stop)
+        if key not in self._mviews:
+            view = self.mstate.rows(start, stop)
+            self._mviews[key] = (view, Rollback(self._view(start, stop), self.spec.main_ratios),
+                                 Rollback(view, self.spec.mtp_ratios))
+        return self._mviews[key]
+
+    def _fail_decoding(self, e: Exception) -> None:
+        msg = f"decode failed: {' '.join(str(e).split()) or type(e).__name__}"
+        for req in list(self._decoding):
+            self._release(req)
+            self._finish(req, "error", error=msg)
+
     def _decode(self) -> None:
         k = len(self._decoding)
         ids = np.array([[r.last_token] for r in self._decoding], np.int64)
         try:
             logits = self.session.forward(ids, self._view(0, k))[:, -1]
         except Exception as e:  # noqa: BLE001 - the decoding requests fail, the engine goes on
-            msg = f"decode failed: {' '.join(str(e).split()) or type(e).__name__}"
-            for req in list(self._decoding):
-                self._release(req)
-                self._finish(req, "error", error=msg)
+            self._fail_decoding(e)
             return
         self.stats["decode_rows"] += k
         for i, req in enumerate(list(self._decoding)):
             self._emit_sampled(req, logits[i:i + 1])
 
+    def _decode_speculative(self) -> None:
+        """One speculative cycle over the decoding rows: each request emits its accepted drafts and the next token."""
+        reqs = list(self._decoding)
+        B = len(reqs)
+        view = self._view(0, B)
+        mview, rb_main, rb_mtp = self._mview(0, B)
+        left = min(r.max_tokens - len(r.tokens) for r in reqs)
+        k = max(min(self.num_draft, left - 1, self.capacity - 1 - int(view.positions.max())), 0)
+        # the MTP block's catch-up: streams of the positions accepted last cycle with the tokens after them, which
+        # are the request's last emitted tokens
+        catch = [(r.catch_h, np.array(r.tokens[-r.catch_h.shape[0]:], np.int64)) for r in reqs]
+        params = [RowParams(r.params.temperature, r.params.top_k, r.params.top_p, r.rng) for r in reqs]
+        pending = np.array([r.last_token for r in reqs], np.int64)
+        try:
+            c = self.spec.cycle(view, mview, pending, catch, k, params, np.ones(B, bool), rb_main, rb_mtp,
+                                min(len(r.tokens) for r in reqs))
+        except Exception as e:  # noqa: BLE001 - the decoding requests fail, the engine goes on
+            self._fail_decoding(e)
+            return
+        with self._lock:
+            self.stats["decode_rows"] += B
+            self.stats["drafted"] += k * B
+            self.stats["accepted"] += int(c.accepted.sum())
+        for req, (h, _) in zip(reqs, c.catch):
+            req.catch_h = h
+        for i, req in enumerate(reqs):  # a request that ends releases its row: the others' rows move, not their data
+            for tok in [int(t) for t in c.drafts[i, :c.accepted[i]]] + [int(c.next[i])]:
+                if not self._emit_token(req, tok):
+                    break
+
+    def _prefill_speculative(self, req: Request, chunk: np.ndarray) -> np.ndarray:
+        """A prefill chunk through the main graph with its streams, then the MTP block over the chunk's positions
+        whose next token is a prompt token (the prompt's last position waits for the first generated token). A
+        window-only MTP block skips positions more than its window before the prompt's end: the entries a position
+        writes depend on its own inputs only, so skipped positions are never read."""
+        spec, row, start = self.spec, req.row, req.prefilled
+        view = self._view(row, row + 1)
+        logits, hidden = spec.main_step(view, chunk.reshape(1, -1), 1)
+        view.positions += chunk.shape[0]
+        P, end = int(req.prompt.shape[0]), start + int(chunk.shape[0])
+        mview = self._mview(row, row + 1)[0]
+        lo = max(start, P - spec.n_win if spec.mtp_ratio == 0 else 0)
+        hi = min(end, P - 1)
+        if lo < hi:
+            mview.positions[0] = max(int(mview.positions[0]), lo)
+            spec.mtp_step(mview, hidden[:, lo - start:hi - start], req.prompt[None, lo + 1:hi + 1], 1)
+            mview.positions[0] = hi
+        if end == P:
+            mview.positions[0] = P - 1
+            req.catch_h = hidden[0, P - 1 - start:].copy()
+        return logits[:, -1]
+
     def _prefill(self, req: Request) -> None:
         start = req.prefilled
         chunk = req.prompt[start:start + self.prefill_chunk]
         try:
-            logits = self.session.forward(chunk.reshape(1, -1), self._view(req.row, req.row + 1))[:, -1]
+            if self.spec is None:
+                logits = self.session.forward(chunk.reshape(1, -1), self._view(req.row, req.row + 1))[:, -1]
+            else:
+                logits = self._prefill_speculative(req, chunk)
         except Exception as e:  # noqa: BLE001 - this request fails, the engine goes on
             self._release(req)
             self._finish(req, "error", error=f"prefill failed: {' '.join(str(e).split()) or type(e).__name__}")
@@ -446,10 +539,12 @@ class Engine:
             return
         other = self._rows[row]
         if other is None:
-            self.state.copy_row(old, row)
+            for pool in self._pools():
+                pool.copy_row(old, row)
             self._rows[old] = None
         else:  # the two sequences exchange rows (State.swap_rows; a pipeline's state swaps in every stage)
-            self.state.swap_rows(old, row)
+            for pool in self._pools():
+                pool.swap_rows(old, row)
             other.row = old
             self._rows[old] = other
         req.row = row
@@ -465,11 +560,15 @@ class Engine:
             last = self._decoding.pop()
             self._rows[last.row] = None
             if last is not req:
-                self.state.copy_row(last.row, i)
+                for pool in self._pools():
+                    pool.copy_row(last.row, i)
                 last.row = i
                 self._decoding[i] = last
                 self._rows[i] = last
         req.row = -1
+
+    def _pools(self) -> tuple:
+        return (self.state,) if self.mstate is None else (self.state, self.mstate)
 
     def _emit_sampled(self, req: Request, logits: np.ndarray) -> None:
         """Samples ``req``'s next token from its logits [1, V], emits it and finishes the request if it ends."""
@@ -481,6 +580,11 @@ class Engine:
             self._release(req)
             self._finish(req, "error", error=str(e))
             return
+        self._emit_token(req, tok)
+
+    def _emit_token(self, req: Request, tok: int) -> bool:
+        """Emits ``req``'s next token; finishes the request (and frees its row) if it ends. True if it goes on."""
+        p = req.params
         now = time.perf_counter()
         with self._lock:
             (self.ttft if not req.tokens else self.itl).observe(now - (req.last_time or req.submitted))
@@ -509,9 +613,10 @@ class Engine:
         req.sent += len(text)
         if reason is None:
             self._send(req, Event(tok, text))
-        else:
-            self._release(req)
-            self._finish(req, reason, token=tok, text=text)
+            return True
+        self._release(req)
+        self._finish(req, reason, token=tok, text=text)
+        return False
 
     def _finish(self, req: Request, reason: str, *, token: int | None = None, text: str = "",
                 error: str | None = None) -> None:
@@ -542,6 +647,8 @@ class Engine:
                     "completion_tokens": self.stats["completion_tokens"], "steps": self.stats["steps"],
                     "queue_depth": len(self._waiting),
                     "running": sum(r is not None for r in self._rows), "max_batch": self.max_batch,
+                    "speculative": self.speculative, "drafted": self.stats["drafted"],
+                    "accepted": self.stats["accepted"],
                     "ttft": self.ttft.snapshot(), "itl": self.itl.snapshot()}
 
 

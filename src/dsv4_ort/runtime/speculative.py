@@ -198,6 +198,34 @@ def _draw(probs: np.ndarray, rng: np.random.Generator) -> int:
 # ---------------------------------------------------------------------------------------------------- runner
 
 
+@dataclasses.dataclass(frozen=True)
+class RowParams:
+    """One row's sampling: temperature (< MIN_TEMPERATURE: greedy), top_k, top_p and its generator."""
+
+    temperature: float
+    top_k: int = 0
+    top_p: float = 1.0
+    rng: np.random.Generator | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < MIN_TEMPERATURE
+
+
+@dataclasses.dataclass(frozen=True)
+class Cycle:
+    """What :meth:`MtpSpeculator.cycle` did: per row the accepted drafts' count ``accepted`` [B], the main model's
+    ``next`` token [B], the ``drafts`` [B, k], the next cycle's ``catch`` input, and the phases' seconds."""
+
+    accepted: np.ndarray
+    next: np.ndarray
+    drafts: np.ndarray
+    catch: list
+    mtp_s: float
+    verify_s: float
+    rollback_s: float
+
+
 class MtpSpeculator:
     """Speculative decoding of one :class:`~dsv4_ort.runtime.session.Session` whose export has the MTP graph.
 
@@ -301,6 +329,94 @@ class MtpSpeculator:
         return self._run(self.mtp_session, mstate, {"hidden": hidden.astype(np.float32, copy=False),
                                                      "input_ids": ids.astype(np.int64)}, num_logits, "hidden_out")
 
+    # ---- one cycle -----------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _pick(logits: np.ndarray, params: list, q: np.ndarray | None, j: int) -> np.ndarray:
+        """Per row, the token drawn from logits [B, V] with the row's parameters (greedy: argmax); sampled rows'
+        distributions go to q[:, j] (the draft distribution speculative sampling compares with)."""
+        out = np.empty(len(params), np.int64)
+        for b, p in enumerate(params):
+            if p.greedy:
+                out[b] = int(logits[b].argmax())
+                continue
+            probs = probabilities(logits[b:b + 1], temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)[0]
+            if q is not None and j >= 0:
+                q[b, j] = probs
+            out[b] = _draw(probs, p.rng)
+        return out
+
+    def cycle(self, state: State, mstate: State, pending: np.ndarray, catch: list, k: int, params: list,
+              live: np.ndarray, rb_main: Rollback, rb_mtp: Rollback, step: int = 0) -> Cycle:
+        """One speculative cycle over the B rows of ``state`` / ``mstate`` (steps 1-4 of the module docstring).
+
+        ``pending`` [B]: each row's next token x_n (not yet in the state; the row's main position is n).
+        ``catch``: per row (h [n_b, hc, d], ids [n_b]): the main streams of the positions accepted since the last
+        cycle and the token after each (n_b >= 1 for a live row; 0 for a finished one). ``k``: drafts (0 .. 3).
+        ``params``: per row :class:`RowParams`. ``live`` [B] bool: finished rows keep nothing of this cycle.
+        Positions of both states advance over what each row keeps; rejected positions are rolled back."""
+        B = len(params)
+        t0 = time.perf_counter()
+        greedy = all(p.greedy for p in params)
+        cat_len = np.array([c[0].shape[0] for c in catch], np.int64)
+        S_m = int(max(cat_len.max(), 1))
+        h_in = np.zeros((B, S_m, self.hc, self.d), np.float32)
+        ids_in = np.zeros((B, S_m), np.int64)
+        for b, (h, ids) in enumerate(catch):
+            h_in[b, :h.shape[0]], ids_in[b, :h.shape[0]] = h, ids
+        # 1. catch-up over the accepted positions, then drafts. Rows with a shorter catch-up run padding positions
+        # (zeros) that are rolled back; logits only from the earliest last position of a live row on
+        mpos = mstate.positions.copy()
+        snap = rb_mtp.snapshot(mpos, S_m) if (cat_len < S_m).any() else None
+        last = np.maximum(cat_len - 1, 0)
+        n_log = S_m - int(last[live].min()) if live.any() else 1
+        m_logits, m_hidden = self.mtp_step(mstate, h_in, ids_in, n_log)
+        if snap is not None:
+            Rollback.restore(snap, cat_len)
+        mstate.positions[:] = mpos + cat_len
+        rows = np.arange(B)
+        drafts = np.zeros((B, k), np.int64)
+        q = None if greedy else np.zeros((B, k, self.session.vocab_size))
+        if k:
+            lg = m_logits[rows, np.clip(last - (S_m - n_log), 0, n_log - 1)]  # [B, V] predicts position n + 1
+            h_prev = m_hidden[rows, last][:, None]  # [B, 1, hc, d]
+            drafts[:, 0] = self._pick(lg, params, q, 0)
+            if k > 1:
+                dpos = mstate.positions.copy()
+                dsnap = rb_mtp.snapshot(dpos, k - 1)
+                for j in range(1, k):
+                    mstate.positions[:] = dpos + j - 1
+                    lg, h_prev = self.mtp_step(mstate, h_prev, drafts[:, j - 1:j], 1)
+                    drafts[:, j] = self._pick(lg[:, 0], params, q, j)
+                Rollback.restore(dsnap, np.zeros(B, np.int64))
+                mstate.positions[:] = dpos
+        t1 = time.perf_counter()
+        # 2. verify [x_n, d_1 .. d_k] at n .. n + k
+        pos = state.positions.copy()
+        snap = rb_main.snapshot(pos, k + 1)
+        v_logits, v_hidden = self.main_step(state, np.concatenate([pending[:, None], drafts], axis=1), k + 1)
+        for j in range(k + 1):
+            check_logits(v_logits[:, j], step=step + j)
+        t2 = time.perf_counter()
+        # 3. accept, row by row with the row's parameters
+        a = np.zeros(B, np.int64)
+        nxt = np.zeros(B, np.int64)
+        for b, p in enumerate(params):
+            ab, nb = accept(drafts[b:b + 1], None, None if q is None else q[b:b + 1], v_logits[b:b + 1],
+                            p.temperature, p.rng, p.top_k, p.top_p)
+            a[b], nxt[b] = ab[0], nb[0]
+        a = np.where(live, a, 0)
+        keep = np.where(live, a + 1, 0)
+        # 4. rollback of the rejected positions (and of finished rows' whole step)
+        Rollback.restore(snap, keep)
+        state.positions[:] = pos + keep
+        # next catch-up: h at n .. n + a with the tokens d_1 .. d_a, next
+        toks = np.concatenate([drafts, nxt[:, None]], axis=1)
+        toks[rows, a] = nxt
+        catch = [(v_hidden[b, :keep[b]], toks[b, :keep[b]]) for b in range(B)]
+        t3 = time.perf_counter()
+        return Cycle(a, nxt, drafts, catch, t1 - t0, t2 - t1, t3 - t2)
+
     # ---- generation ----------------------------------------------------------------------------------------------
 
     def generate(self, prompts: np.ndarray, max_new_tokens: int, *, num_draft: int, temperature: float, top_k: int,
@@ -312,24 +428,16 @@ class MtpSpeculator:
         """
         sess = self.session
         B, P = prompts.shape
-        k_max = num_draft
         state = state if state is not None else sess.new_state(B)
         mstate = self.new_mtp_state(B)
         rb_main, rb_mtp = Rollback(state, self.main_ratios), Rollback(mstate, self.mtp_ratios)
-        greedy = temperature < MIN_TEMPERATURE
-
-        def dist(logits):  # sampling: the distribution sample() draws from
-            return None if greedy else probabilities(logits, temperature=temperature, top_k=top_k, top_p=top_p)
-
-        def pick(logits, probs):  # [B, V] -> [B]
-            if greedy:
-                return logits.argmax(axis=-1).astype(np.int64)
-            return np.array([_draw(pr, rng) for pr in probs], np.int64)
+        params = [RowParams(temperature, top_k, top_p, rng)] * B
 
         t0 = time.perf_counter()
-        # prefill: main streams of the positions the MTP block needs (the last n_win when it is window-only)
+        # prefill: main streams of the positions the MTP block needs (the last n_win when it is window-only: the
+        # entries a position writes depend on its own inputs only, so skipped positions are never read)
         start = state.positions.copy()
-        keep_from = P - self.n_win if self.mtp_ratio == 0 else 0
+        keep_from = max(P - self.n_win, 0) if self.mtp_ratio == 0 else 0
         chunk = sess.prefill_chunk or P
         tail = []
         for i in range(0, P, chunk):
@@ -340,7 +448,7 @@ class MtpSpeculator:
                 tail.append(hidden[:, lo:])
         logits = logits[:, -1]
         check_logits(logits, step=0)
-        first = pick(logits, dist(logits))
+        first = self._pick(logits, params, None, -1)
         if stats is not None:
             stats.update(prefill_tokens=P, prefill_s=time.perf_counter() - t0, decode_tokens=0, decode_s=0.0,
                          cycles=0, drafted=0, accepted=0, mtp_s=0.0, verify_s=0.0, rollback_s=0.0)
@@ -350,107 +458,43 @@ class MtpSpeculator:
             done[b] = int(first[b]) in stops or max_new_tokens <= 1
         yield [[int(t)] for t in first]
 
-        # MTP catch-up input: streams h_t of positions mtp_pos .. pos - 1 and the tokens x_{t+1}
-        c0 = int(start[0]) + max(keep_from, 0)
-        mstate.positions[:] = start + max(keep_from, 0)
-        cat_h = np.concatenate(tail, axis=1) if tail else np.zeros((B, 0, self.hc, self.d), np.float32)
-        next_ids = np.concatenate([prompts[:, c0 - int(start[0]) + 1:], first[:, None]], axis=1)
-        cat_ids, cat_len = next_ids, np.full(B, cat_h.shape[1], np.int64)
+        # MTP catch-up input: streams h_t of positions keep_from .. P - 1 and the tokens x_{t+1}
+        mstate.positions[:] = start + keep_from
+        cat_h = np.concatenate(tail, axis=1)
+        next_ids = np.concatenate([prompts[:, keep_from + 1:], first[:, None]], axis=1)
+        catch = [(cat_h[b], next_ids[b]) for b in range(B)]
         pending = first.copy()
         cap = sess.max_seq_len
 
         while not done.all():
             t_cycle = time.perf_counter()
-            pos = state.positions.copy()
             left = max_new_tokens - produced[~done]
-            k = int(min(k_max, left.min() - 1, cap - 1 - pos.max()))
-            k = max(k, 0)
-            # 1. catch-up over the accepted positions, then drafts
-            drafts = np.zeros((B, k), np.int64)
-            q = None if greedy else np.zeros((B, k, sess.vocab_size))
-            S_m = int(max(cat_len.max(), 1))
-            h_in = np.zeros((B, S_m, self.hc, self.d), np.float32)
-            ids_in = np.zeros((B, S_m), np.int64)
-            for b in range(B):
-                n = int(cat_len[b])
-                h_in[b, :n], ids_in[b, :n] = cat_h[b, :n], cat_ids[b, :n]
-            mpos = mstate.positions.copy()
-            # rows with a shorter catch-up run padding positions (zeros) that are rolled back; logits only from
-            # the earliest last position of a live row on
-            short = cat_len < S_m
-            snap = rb_mtp.snapshot(mpos, S_m) if short.any() else None
-            last = np.maximum(cat_len - 1, 0)
-            n_log = S_m - int(last[~done].min()) if (~done).any() else 1
-            m_logits, m_hidden = self.mtp_step(mstate, h_in, ids_in, n_log)
-            if snap is not None:
-                Rollback.restore(snap, cat_len)
-            mstate.positions[:] = mpos + cat_len
-            rows = np.arange(B)
-            if k:
-                lg = m_logits[rows, np.clip(last - (S_m - n_log), 0, n_log - 1)]  # [B, V] predicts position pos + 1
-                h_prev = m_hidden[rows, last][:, None]  # [B, 1, hc, d]
-                qj = dist(lg)
-                drafts[:, 0] = pick(lg, qj)
-                if q is not None:
-                    q[:, 0] = qj
-                if k > 1:
-                    dpos = mstate.positions.copy()
-                    dsnap = rb_mtp.snapshot(dpos, k - 1)
-                    for j in range(1, k):
-                        mstate.positions[:] = dpos + j - 1
-                        lg, h_prev = self.mtp_step(mstate, h_prev, drafts[:, j - 1:j], 1)
-                        lg = lg[:, 0]
-                        qj = dist(lg)
-                        drafts[:, j] = pick(lg, qj)
-                        if q is not None:
-                            q[:, j] = qj
-                    Rollback.restore(dsnap, np.zeros(B, np.int64))
-                    mstate.positions[:] = dpos
-            t_verify = time.perf_counter()
-            # 2. verify [x_n, d_1 .. d_k] at n .. n + k
-            ids = np.concatenate([pending[:, None], drafts], axis=1)
-            snap = rb_main.snapshot(pos, k + 1)
-            v_logits, v_hidden = self.main_step(state, ids, k + 1)
-            for j in range(k + 1):
-                check_logits(v_logits[:, j], step=int(produced.min()))
-            t_accept = time.perf_counter()
-            # 3. accept
-            a, nxt = accept(drafts, None, q, v_logits, temperature, rng, top_k, top_p)
-            a = np.where(done, 0, a)
-            keep = np.where(done, 0, a + 1)
-            # 4. rollback of the rejected positions (and of finished rows' whole step)
-            Rollback.restore(snap, keep)
-            state.positions[:] = pos + keep
-            t_end = time.perf_counter()
-            # next catch-up: h at n .. n + a with tokens d_1 .. d_a, next
-            cat_h = v_hidden
-            cat_ids = np.concatenate([drafts, np.zeros((B, 1), np.int64)], axis=1)
-            cat_ids[rows, a] = nxt
-            cat_len = keep.copy()
+            k = max(int(min(num_draft, left.min() - 1, cap - 1 - state.positions.max())), 0)
+            c = self.cycle(state, mstate, pending, catch, k, params, ~done, rb_main, rb_mtp, int(produced.min()))
+            live = ~done
             out = []
             for b in range(B):
                 if done[b]:
                     out.append([])
                     continue
-                toks = [int(t) for t in drafts[b, :a[b]]] + [int(nxt[b])]
                 emit = []
-                for t in toks:
+                for t in [int(t) for t in c.drafts[b, :c.accepted[b]]] + [int(c.next[b])]:
                     emit.append(t)
                     produced[b] += 1
                     if t in stops or produced[b] >= max_new_tokens:
                         done[b] = True
                         break
                 out.append(emit)
-            pending = nxt
+            catch, pending = c.catch, c.next
             if stats is not None:
                 stats["cycles"] += 1
-                stats["drafted"] += int(k * (keep > 0).sum())
-                stats["accepted"] += int(a[keep > 0].sum())
+                stats["drafted"] += int(k * live.sum())
+                stats["accepted"] += int(c.accepted[live].sum())
                 stats["decode_tokens"] += sum(len(o) for o in out)
                 stats["decode_s"] += time.perf_counter() - t_cycle
-                stats["mtp_s"] += t_verify - t_cycle
-                stats["verify_s"] += t_accept - t_verify
-                stats["rollback_s"] += t_end - t_accept
+                stats["mtp_s"] += c.mtp_s
+                stats["verify_s"] += c.verify_s
+                stats["rollback_s"] += c.rollback_s
             yield out
 
 

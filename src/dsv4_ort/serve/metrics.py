@@ -46,6 +46,10 @@ def render(engine_metrics: dict, http: dict) -> str:
     metric("batch_occupancy", "gauge", "Fraction of the state rows in use.",
            [({}, m["running"] / m["max_batch"])])
     metric("engine_steps_total", "counter", "Engine steps run.", [({}, m["steps"])])
+    if m.get("speculative"):
+        metric("spec_draft_tokens_total", "counter", "Tokens drafted by the MTP block.", [({}, m["drafted"])])
+        metric("spec_accepted_tokens_total", "counter", "Drafted tokens the main model accepted.",
+               [({}, m["accepted"])])
     histogram("time_to_first_token_seconds", "Time from submission to the first token.", m["ttft"])
     histogram("inter_token_latency_seconds", "Time between consecutive tokens of a request.", m["itl"])
     return "\n".join(lines) + "\n"

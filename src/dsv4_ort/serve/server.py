@@ -29,7 +29,8 @@ class _Uvicorn(uvicorn.Server):
         host, port = self.servers[0].sockets[0].getsockname()[:2]
         host = f"[{host}]" if ":" in host else host
         print(f"dsv4-ort serve: {self.model} on http://{host}:{port} (OpenAI API at http://{host}:{port}/v1; "
-              f"max batch {self.engine.max_batch}{', batch-invariant' if self.engine.batch_invariant else ''}, "
+              f"max batch {self.engine.max_batch}{', batch-invariant' if self.engine.batch_invariant else ''}"
+              f"{f', speculative mtp k={self.engine.num_draft}' if self.engine.speculative else ''}, "
               f"{self.engine.session.threads} threads)", flush=True)
 
     def handle_exit(self, sig, frame) -> None:
@@ -53,12 +54,21 @@ def run(args) -> int:
     pipeline = {"backend": "ray" if ray_address else "local", "micro_batches": getattr(args, "micro_batches", None)}
     if ray_address:
         pipeline["ray_address"] = ray_address
-    # Batch invariance up to --max-batch rows: a request's tokens do not depend on what decodes beside it.
+    speculative = getattr(args, "speculative", None)
+    num_draft = getattr(args, "num_draft", 2) if speculative else 1
+    # Batch invariance up to the rows of a decode call (--max-batch, times num_draft + 1 for a speculative verify
+    # call): a request's tokens do not depend on what decodes beside it.
+    rows = args.max_batch * (num_draft + 1 if speculative else 1)
     session = open_session(args.model_dir, threads=args.threads, isa=args.isa, need_text=False,
-                           batch_invariant=args.max_batch if getattr(args, "batch_invariant", True) else 0,
+                           batch_invariant=rows if getattr(args, "batch_invariant", True) else 0,
                            pipeline=pipeline)
-    engine = Engine(session, max_batch=args.max_batch, max_queue=args.max_queue,
-                    prefill_chunk=args.prefill_chunk).start()
+    try:
+        engine = Engine(session, max_batch=args.max_batch, max_queue=args.max_queue,
+                        prefill_chunk=args.prefill_chunk, speculative=speculative, num_draft=num_draft).start()
+    except Exception:
+        if hasattr(session, "close"):
+            session.close()
+        raise
     model = Path(args.model_dir).resolve().name
     app = build_app(engine, model, api_key=args.api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off",
