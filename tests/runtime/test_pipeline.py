@@ -1,8 +1,12 @@
 """dsv4_ort.runtime.pipeline with every stage in this process: 2- and 3-stage exports of the tiny preset give the
 single graph's float32 logits bit for bit (prefill, chunked prefill, decode, rows at different positions, greedy
-generation), and drive the serving engine. The Ray backend (one actor per stage) is not exercised here."""
+generation), and drive the serving engine; a dsv4_ort.json whose stages do not cover the layers is refused. The Ray
+backend (one actor per stage) is tested in test_pipeline_ray.py."""
 
 from __future__ import annotations
+
+import json
+import shutil
 
 import numpy as np
 import pytest
@@ -11,7 +15,8 @@ from model_fixtures import random_ids, require_library
 from dsv4_ort.export import export_model
 from dsv4_ort.runtime import Session
 from dsv4_ort.runtime.engine import Engine, SamplingParams
-from dsv4_ort.runtime.pipeline import PipelineSession
+from dsv4_ort.runtime.pipeline import PipelineSession, read_pipeline_metadata
+from dsv4_ort.runtime.session import ModelError
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +67,16 @@ def test_three_stages_and_the_engine(exports, tmp_path, cache):
         eng.run_until_idle()
         results.append([r.result(timeout=0)["tokens"] for r in reqs])
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("layers, why", [([[0, 1], [2, 4]], "should start at layer 1"),
+                                         ([[0, 2], [2, 3]], "end at layer 3, the model has 4"),
+                                         ([[0, 2], [2, 2]], "holds no layer")])
+def test_stages_that_do_not_cover_the_layers_are_refused(exports, tmp_path, layers, why):
+    d = shutil.copytree(exports[2], tmp_path / "bad")
+    meta = json.loads((d / "dsv4_ort.json").read_text())
+    for s, r in zip(meta["pipeline"]["stages"], layers):
+        s["layers"] = r
+    (d / "dsv4_ort.json").write_text(json.dumps(meta))
+    with pytest.raises(ModelError, match=f"corrupt: stages .*{why}"):
+        read_pipeline_metadata(d)

@@ -80,13 +80,7 @@ def parse_stages(spec, n_layers: int) -> list[tuple[int, int]]:
     if isinstance(spec, int):
         if not 1 <= spec <= n_layers:
             raise StageSpecError(f"stages={spec}: the model has {n_layers} layers, so 1 .. {n_layers} stages")
-        base, extra = divmod(n_layers, spec)
-        ranges, a = [], 0
-        for i in range(spec):
-            b = a + base + (1 if i < extra else 0)
-            ranges.append((a, b))
-            a = b
-        return ranges
+        return even_ranges(n_layers, spec)
     if isinstance(spec, str):
         pairs = []
         for part in spec.replace(" ", "").split(","):
@@ -99,6 +93,26 @@ def parse_stages(spec, n_layers: int) -> list[tuple[int, int]]:
             pairs = [(int(a), int(b)) for a, b in spec]
         except (TypeError, ValueError):
             raise StageSpecError(f"stages must be a count, 'A:B,C:D,...' or (a, b) pairs, got {spec!r}") from None
+    check_stage_ranges(pairs, n_layers)
+    return pairs
+
+
+def even_ranges(n: int, parts: int) -> list[tuple[int, int]]:
+    """``0 .. n`` cut into ``parts`` consecutive ranges (1 <= parts <= n) whose lengths differ by at most one, the
+    longer ones first: the layers of N stages, the rows of the micro-batches of a decode call."""
+    base, extra = divmod(n, parts)
+    ranges, a = [], 0
+    for i in range(parts):
+        b = a + base + (1 if i < extra else 0)
+        ranges.append((a, b))
+        a = b
+    return ranges
+
+
+def check_stage_ranges(pairs, n_layers: int) -> None:
+    """Raises :class:`StageSpecError` unless ``pairs`` (``(a, b)`` ints, b exclusive) are non-empty layer ranges,
+    consecutive from layer 0, ending at ``n_layers``. The exporter checks a ``stages`` argument with it, the runtime
+    the stages of a dsv4_ort.json."""
     if not pairs:
         raise StageSpecError("stages: no layer range given")
     expect = 0
@@ -111,7 +125,6 @@ def parse_stages(spec, n_layers: int) -> list[tuple[int, int]]:
         expect = b
     if expect != n_layers:
         raise StageSpecError(f"stages {_fmt(pairs)} end at layer {expect}, the model has {n_layers} layers")
-    return pairs
 
 
 def _fmt(pairs) -> str:
@@ -323,5 +336,5 @@ def _pipeline_metadata(config, graphs, ranges, writers, origin, mode, formats, m
     return meta
 
 
-__all__ = ["RoutingWriter", "STREAMS_IN", "STREAMS_OUT", "StageGraph", "StageSpecError", "export_stages",
-           "is_stage_file", "parse_stages", "stage_data_file", "stage_model_file"]
+__all__ = ["RoutingWriter", "STREAMS_IN", "STREAMS_OUT", "StageGraph", "StageSpecError", "check_stage_ranges",
+           "even_ranges", "export_stages", "is_stage_file", "parse_stages", "stage_data_file", "stage_model_file"]

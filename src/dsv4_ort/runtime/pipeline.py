@@ -15,7 +15,8 @@ Backends (``backend``):
   started with, or ``placement`` for a placement group strategy such as ``"STRICT_SPREAD"``: one stage per node).
   Ray moves the streams: stage i's output is an object reference handed to stage i + 1, never fetched here. Each
   node needs ``dsv4_ort.json`` and its stage's two files at the same path as ``model_dir`` (a node maps only its
-  share); this process needs ``dsv4_ort.json`` (and ``tokenizer.json`` for text).
+  share); this process needs ``dsv4_ort.json`` (and ``tokenizer.json`` for text). On one machine,
+  :func:`start_local_ray` starts a Ray instance that listens on loopback only.
 
 Micro-batches. The rows of a decode call (one token per row) are split into ``micro_batches`` consecutive groups
 that enter the stages one behind the other: with Ray, stage 0 works on group 2 while stage 1 works on group 1, so
@@ -50,7 +51,7 @@ import numpy as np
 
 from ..export.files import META_FILE, read_export_trailer
 from .sampling import check_count
-from .session import (_NOT_LOADED, ModelError, Session, _check_node_attributes, _last_line, _token_ids,
+from .session import (_NOT_LOADED, ModelError, Session, _check_node_attributes, _forward_ids, _last_line,
                       load_metadata_file, physical_cores)
 from .state import STATE_TYPES, State
 
@@ -85,19 +86,20 @@ def read_pipeline_metadata(model_dir: str | os.PathLike) -> dict:
     stages = pipe.get("stages") if isinstance(pipe, dict) else None
     if not isinstance(stages, list) or not stages:
         raise ModelError(f"{meta_path} is corrupt: 'pipeline' must hold a list of 'stages'")
+    from ..export.stages import StageSpecError, check_stage_ranges
+
     names = {t["input"] for t in meta["state"]["tensors"]}
-    expect = 0
     for i, s in enumerate(stages):
         ok = isinstance(s, dict) and s.get("index") == i and isinstance(s.get("layers"), list) \
-            and len(s["layers"]) == 2 and s["layers"][0] == expect and s["layers"][1] > expect \
+            and len(s["layers"]) == 2 and all(type(x) is int for x in s["layers"]) \
             and all(isinstance(s.get(k), str) and Path(s[k]).name == s[k] for k in ("model_file", "data_file")) \
             and isinstance(s.get("state"), list) and set(s["state"]) <= names
         if not ok:
             raise ModelError(f"{meta_path} is corrupt: malformed pipeline stage {i} {s!r}")
-        expect = s["layers"][1]
-    if expect != meta["config"].get("num_hidden_layers"):
-        raise ModelError(f"{meta_path} is corrupt: the stages end at layer {expect}, the model has "
-                         f"{meta['config'].get('num_hidden_layers')}")
+    try:  # the same rule as the exporter's --stages: consecutive layer ranges from 0 to the last layer
+        check_stage_ranges([tuple(s["layers"]) for s in stages], meta["config"].get("num_hidden_layers"))
+    except StageSpecError as e:
+        raise ModelError(f"{meta_path} is corrupt: {e}") from None
     return meta
 
 
@@ -547,8 +549,7 @@ class PipelineSession:
         if micro_batches is None:
             micro_batches = self.n_stages if backend == "ray" else 1
         self.micro_batches = check_count("micro_batches", micro_batches, minimum=1)
-        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
+        _check_timeout(timeout)
         if backend == "local":
             self._stages = _LocalStages([StageRunner(str(self.model_dir), i, intra_op_threads=intra_op_threads,
                                                      isa=isa, kernels=kernels, batch_invariant=batch_invariant)
@@ -571,6 +572,17 @@ class PipelineSession:
         self._tokenizer = _NOT_LOADED
 
     tokenizer = Session.tokenizer
+
+    @property
+    def timeout(self) -> float | None:
+        """Seconds a call waits for the Ray stages before a :class:`StageError` (None: no limit); settable, e.g. a
+        long one while the stages load and a short one for decode steps. No effect on the local backend."""
+        return getattr(self._stages, "timeout", None)
+
+    @timeout.setter
+    def timeout(self, value: float | None) -> None:
+        _check_timeout(value)
+        self._stages.timeout = value
 
     def close(self) -> None:
         """Stops the stages (Ray: kills the actors); the session and its states are unusable afterwards."""
@@ -598,14 +610,9 @@ class PipelineSession:
         """Consecutive row groups of a decode call: ``micro_batches`` of them (at most one per row), sizes within
         one. Prefill calls stay whole (their chunks flow through the stages one behind the other instead): a
         kernel's summation order depends on the rows of a call, and splitting a prompt's rows would change it."""
-        m = min(self.micro_batches, rows)
-        base, extra = divmod(rows, m)
-        out, a = [], 0
-        for i in range(m):
-            b = a + base + (1 if i < extra else 0)
-            out.append((a, b))
-            a = b
-        return out
+        from ..export.stages import even_ranges
+
+        return even_ranges(rows, min(self.micro_batches, rows))
 
     def forward(self, input_ids, state: PipelineState, *, chunk_size: int | None = None) -> np.ndarray:
         """Runs ``input_ids`` [B, S] from each row's current position through every stage; returns float32 logits
@@ -616,15 +623,7 @@ class PipelineSession:
         if not isinstance(state, PipelineState) or state.owner is not self:
             raise TypeError(f"state must be a PipelineState of this PipelineSession (new_state), got "
                             f"{type(state).__name__}")
-        ids = _token_ids(input_ids, "input_ids", self.vocab_size)
-        if ids.ndim != 2 or ids.shape[1] < 1:
-            raise ValueError(f"input_ids must be [batch, seq] with seq >= 1, got shape {ids.shape}")
-        if ids.shape[0] != state.batch_size:
-            raise ValueError(f"input_ids has {ids.shape[0]} rows but the state holds {state.batch_size}")
-        end = int(state.positions.max()) + ids.shape[1]
-        if end > self.max_seq_len:
-            raise ValueError(f"sequence would reach position {end} but the model's capacity is {self.max_seq_len} "
-                             "tokens (re-export with a larger --max-seq-len)")
+        ids = _forward_ids(input_ids, state, self.vocab_size, self.max_seq_len)
         B, S = ids.shape
         chunk = chunk_size or self.prefill_chunk or S
         st, pos0 = self._stages, state.positions.copy()
@@ -661,6 +660,11 @@ class PipelineSession:
 
 
 
+def _check_timeout(value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+        raise ValueError(f"timeout must be a number of seconds > 0 or None, got {value!r}")
+
+
 def _release(stages_ref, key: int) -> None:
     """Frees a garbage-collected state's buffers in the stages (nothing when the pipeline is gone)."""
     stages = stages_ref()
@@ -679,11 +683,35 @@ def open_pipeline(model_dir, **kw) -> PipelineSession:
         import ray
 
         if not ray.is_initialized():
-            if address is None:  # a Ray instance of this machine alone, no dashboard
-                ray.init(include_dashboard=False, log_to_driver=False)
+            if address is None:  # a Ray instance of this machine alone
+                start_local_ray()
             else:
                 ray.init(address=address, log_to_driver=False)
     return PipelineSession(model_dir, **kw)
+
+
+def start_local_ray(num_cpus: float | None = None, *, object_store_memory: int | None = None, **kw):
+    """Starts a Ray instance of this machine alone, reachable on loopback only (every Ray server listens on
+    127.0.0.1), without dashboard, usage reporting or workers started ahead of the actors; returns the ``ray``
+    module. ``num_cpus``: logical CPUs it offers (default: the machine's); ``kw``: more ``ray.init`` arguments.
+
+    Trap: on Linux Ray replaces a 127.0.0.1 node address by the host's outside address (and binds there) unless
+    its single-machine mode is on; that mode is read from the environment when ``ray`` is imported, so it is set
+    both in the environment (for Ray's own processes) and in the imported module."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    import ray
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    opts = {"address": "local", "include_dashboard": False, "_node_ip_address": "127.0.0.1", "log_to_driver": False,
+            "configure_logging": False, "_system_config": {"enable_worker_prestart": False}}
+    if num_cpus is not None:
+        opts["num_cpus"] = num_cpus
+    if object_store_memory is not None:
+        opts["object_store_memory"] = object_store_memory
+    ray.init(**{**opts, **kw})
+    return ray
 
 
 def is_pipeline_export(model_dir) -> bool:
@@ -696,5 +724,5 @@ def is_pipeline_export(model_dir) -> bool:
 
 
 __all__ = ["BACKENDS", "PipelineSession", "PipelineState", "StageError", "StageRunner", "is_pipeline_export",
-           "open_pipeline", "read_pipeline_metadata"]
+           "open_pipeline", "read_pipeline_metadata", "start_local_ray"]
 

@@ -258,6 +258,21 @@ def _token_ids(value, name: str, vocab: int) -> np.ndarray:
 _NOT_LOADED = object()
 
 
+def _forward_ids(input_ids, state, vocab: int, max_seq_len: int) -> np.ndarray:
+    """The ``input_ids`` of a forward call as int64 [B, S] (S >= 1), checked against the ``state`` it advances
+    (B rows, ``state.positions`` + S within ``max_seq_len``). Shared by Session and PipelineSession."""
+    ids = _token_ids(input_ids, "input_ids", vocab)
+    if ids.ndim != 2 or ids.shape[1] < 1:
+        raise ValueError(f"input_ids must be [batch, seq] with seq >= 1, got shape {ids.shape}")
+    if ids.shape[0] != state.batch_size:
+        raise ValueError(f"input_ids has {ids.shape[0]} rows but the state holds {state.batch_size}")
+    end = int(state.positions.max()) + ids.shape[1]
+    if end > max_seq_len:
+        raise ValueError(f"sequence would reach position {end} but the model's capacity is {max_seq_len} "
+                         "tokens (re-export with a larger --max-seq-len)")
+    return ids
+
+
 def _last_line(e: BaseException) -> str:
     """The last non-empty line of an exception's message (onnxruntime and tokenizers put the cause there), or the
     exception's type name when the message is empty."""
@@ -419,15 +434,7 @@ class Session:
             check_count("prefill_chunk", self.prefill_chunk, minimum=1)
         if not isinstance(state, State):
             raise TypeError(f"state must be a State (Session.new_state), got {type(state).__name__}")
-        ids = _token_ids(input_ids, "input_ids", self.vocab_size)
-        if ids.ndim != 2 or ids.shape[1] < 1:
-            raise ValueError(f"input_ids must be [batch, seq] with seq >= 1, got shape {ids.shape}")
-        if ids.shape[0] != state.batch_size:
-            raise ValueError(f"input_ids has {ids.shape[0]} rows but the state holds {state.batch_size}")
-        end = int(state.positions.max()) + ids.shape[1]
-        if end > self.max_seq_len:
-            raise ValueError(f"sequence would reach position {end} but the model's capacity is {self.max_seq_len} "
-                             "tokens (re-export with a larger --max-seq-len)")
+        ids = _forward_ids(input_ids, state, self.vocab_size, self.max_seq_len)
         chunk = chunk_size or self.prefill_chunk or ids.shape[1]
         outs = [self._run(np.ascontiguousarray(ids[:, i:i + chunk]), state) for i in range(0, ids.shape[1], chunk)]
         if self.logits_mode == "all":
