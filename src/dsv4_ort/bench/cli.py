@@ -133,6 +133,16 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "process on loopback with 1, 4 and 16 concurrent streaming clients: output tokens/s, TTFT "
                         "and inter-token latency p50 / p99 (needs the serve extra); writes serving.json + "
                         "serving.md into --out")
+    p.add_argument("--speculative", action="store_true",
+                   help="instead of the suite: MTP speculative decoding on the bench preset (verify and draft step "
+                        "costs against a decode step, greedy tokens/s with and without, the speed-up projected at "
+                        "acceptance 0.6 / 0.8 / 0.9) and the fitted MTP block's acceptance on the tiny preset; "
+                        "writes speculative.json + speculative.md into --out")
+    p.add_argument("--pipeline", action="store_true",
+                   help="instead of the suite: the bench preset in 2 pipeline stages, in this process and as Ray "
+                        "actors on a loopback-only local Ray (bytes per boundary, the Ray hop, micro-batched decode "
+                        "against 1 stage) and the Flash / Pro sizing table (needs the cluster extra); writes "
+                        "pipeline.json + pipeline.md into --out")
     return p
 
 
@@ -142,33 +152,43 @@ def quiet_numpy_blas() -> None:
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
+# --formats / --serving / --speculative / --pipeline: (option, modules it needs, the extra that has them)
+_MODES = (("formats", (), ""), ("serving", ("starlette", "uvicorn"), "serve"), ("speculative", (), ""),
+          ("pipeline", ("ray",), "cluster"))
+
+
+def _run_mode(name: str, module, args, log) -> tuple:
+    """(result, its markdown function) of one single-case mode."""
+    if name == "formats":
+        return module.run(("tiny",) if args.smoke else ("tiny", "bench"), threads=args.threads, log=log), \
+            module.markdown
+    if name == "serving":
+        return module.run("tiny" if args.smoke else "bench", threads=args.threads, model_dir=args.model_dir,
+                          max_tokens=8 if args.smoke else 32, log=log), module.markdown
+    return module.suite(smoke=args.smoke, threads=args.threads, log=log), module.suite_markdown
+
+
 def cmd_bench(args) -> int:
     quiet_numpy_blas()
     check_out_dir(args.out)
     if args.model_dir is not None and not os.path.isdir(args.model_dir):
         raise FileNotFoundError(f"--model-dir {args.model_dir!r} does not exist")
-    if args.formats:
-        from . import formats
+    log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    for name, needs, extra in _MODES:  # the single-case modes, instead of the suite
+        if not getattr(args, name):
+            continue
+        import importlib
 
-        log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-        result = formats.run(("tiny",) if args.smoke else ("tiny", "bench"), threads=args.threads, log=log)
-        formats.write(result, args.out)
-        print(formats.markdown(result))
-        return 0
-    if args.serving:
         try:
-            import starlette  # noqa: F401
-            import uvicorn  # noqa: F401
+            for mod in needs:
+                importlib.import_module(mod)
         except ImportError:
-            print("dsv4-ort bench: serving: skipped (install '.[serve]')", file=sys.stderr)
+            print(f"dsv4-ort bench: {name}: skipped (install '.[{extra}]')", file=sys.stderr)
             return 0
-        from . import serving
-
-        log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-        result = serving.run("tiny" if args.smoke else "bench", threads=args.threads, model_dir=args.model_dir,
-                             max_tokens=8 if args.smoke else 32, log=log)
-        serving.write(result, args.out)
-        print(serving.markdown(result))
+        module = importlib.import_module(f".{name}", __package__)
+        result, markdown = _run_mode(name, module, args, log)
+        module.write(result, args.out)
+        print(markdown(result))
         return 0
     from .suite import run
 

@@ -47,30 +47,34 @@ def model_capacity(contexts, preset: str | None = None) -> int:
     return max(DEFAULT_CAPACITY.get(preset, 256), int(math.ceil(need / 128) * 128))
 
 
-def ensure_export(preset: str, max_seq_len: int, log) -> Path:
-    """The preset exported with native weights into the cache (once); returns the model directory."""
+def cached_export(name: str, log, *, check=None, **export_kw) -> Path:
+    """``export_model(None, DIR, **export_kw)`` into the bench cache once (DIR: ``<cache>/bench/<name>-v<version>-
+    ops<op table>``); returns DIR. A directory that ``check`` (default: read_metadata) refuses, damaged or of an
+    older format, is exported again."""
     import dsv4_ort
-    from dsv4_ort.export import schema
+    from dsv4_ort.export import export_model, schema
     from dsv4_ort.runtime.cli import cache_dir
+    from dsv4_ort.runtime.session import ModelError, read_metadata
 
-    out = cache_dir() / "bench" / f"{preset}-native-seed0-len{max_seq_len}-v{dsv4_ort.__version__}-" \
-                                  f"ops{schema.TABLE_VERSION}"
+    out = cache_dir() / "bench" / f"{name}-v{dsv4_ort.__version__}-ops{schema.TABLE_VERSION}"
     if out.is_dir():
-        from dsv4_ort.runtime.session import ModelError, read_metadata
-
         try:
-            read_metadata(out)
+            (check or read_metadata)(out)
             return out
-        except ModelError:  # damaged, or written by an older format version: export it again
+        except ModelError:
             shutil.rmtree(out)
-    from dsv4_ort.export import export_model
-
-    log(f"  exporting the {preset} preset into {out} (once; later runs reuse it)")
+    log(f"  exporting {name} into {out} (once; later runs reuse it)")
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    export_model(None, out, preset=preset, seed=0, max_seq_len=max_seq_len, logits="last", progress=False)
+    export_model(None, out, progress=False, **export_kw)
     log(f"  exported in {time.perf_counter() - t0:.0f} s")
     return out
+
+
+def ensure_export(preset: str, max_seq_len: int, log) -> Path:
+    """The preset exported with native weights into the cache (once); returns the model directory."""
+    return cached_export(f"{preset}-native-seed0-len{max_seq_len}", log, preset=preset, seed=0,
+                         max_seq_len=max_seq_len, logits="last")
 
 
 def inventory(model_dir: Path) -> list:

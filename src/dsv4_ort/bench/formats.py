@@ -14,7 +14,6 @@ usage: dsv4-ort bench --formats [--out DIR] [--threads N]   (or python -m dsv4_o
 from __future__ import annotations
 
 import json
-import shutil
 import statistics
 import sys
 import time
@@ -29,24 +28,10 @@ OPTIONS = (("native", "native", "fp32"), ("native", "native", "bf16"), ("fp8", "
 
 def export_option(preset: str, head: str, dense: str, max_seq_len: int, log, compute: str = "fp32") -> Path:
     """The preset exported with one option into the bench cache (once); returns the model directory."""
-    import dsv4_ort
-    from dsv4_ort.export import export_model, schema
-    from dsv4_ort.runtime.cli import cache_dir
-    from dsv4_ort.runtime.session import ModelError, read_metadata
+    from .e2e import cached_export
 
-    out = cache_dir() / "bench" / (f"{preset}-head{head}-dense{dense}-{compute}-seed0-len{max_seq_len}-"
-                                   f"v{dsv4_ort.__version__}-ops{schema.TABLE_VERSION}")
-    if out.is_dir():
-        try:
-            read_metadata(out)
-            return out
-        except ModelError:  # damaged or from an older format: export again
-            shutil.rmtree(out)
-    log(f"  exporting {preset} with head={head} dense={dense} compute={compute}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    export_model(None, out, preset=preset, seed=0, max_seq_len=max_seq_len, logits="last", progress=False,
-                 head=head, dense=dense, compute=compute)
-    return out
+    return cached_export(f"{preset}-head{head}-dense{dense}-{compute}-seed0-len{max_seq_len}", log, preset=preset,
+                         seed=0, max_seq_len=max_seq_len, logits="last", head=head, dense=dense, compute=compute)
 
 
 def teacher_forced_logits(sess, ids: np.ndarray) -> np.ndarray:

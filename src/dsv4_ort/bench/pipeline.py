@@ -38,7 +38,6 @@ import argparse
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -58,26 +57,13 @@ def _log(msg: str) -> None:
 def staged_export(preset: str, stages, max_seq_len: int, log=_log) -> Path:
     """The preset (native weights, seed 0) exported with ``stages`` into the bench cache (once); returns the model
     directory. The single-graph counterpart is :func:`.formats.export_option`."""
-    import dsv4_ort
-    from dsv4_ort.export import export_model, schema
-    from dsv4_ort.runtime.cli import cache_dir
     from dsv4_ort.runtime.pipeline import read_pipeline_metadata
-    from dsv4_ort.runtime.session import ModelError
+
+    from .e2e import cached_export
 
     tag = str(stages).replace(":", "_").replace(",", "-")
-    out = cache_dir() / "bench" / (f"{preset}-native-stages{tag}-seed0-len{max_seq_len}-v{dsv4_ort.__version__}-"
-                                   f"ops{schema.TABLE_VERSION}")
-    if out.is_dir():
-        try:
-            read_pipeline_metadata(out)
-            return out
-        except ModelError:  # damaged or from an older format: export again
-            shutil.rmtree(out)
-    log(f"  exporting {preset} with --stages {stages}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    export_model(None, out, preset=preset, seed=0, max_seq_len=max_seq_len, logits="last", progress=False,
-                 stages=stages)
-    return out
+    return cached_export(f"{preset}-native-stages{tag}-seed0-len{max_seq_len}", log, check=read_pipeline_metadata,
+                         preset=preset, seed=0, max_seq_len=max_seq_len, logits="last", stages=stages)
 
 
 def step_seconds(sess, batch: int, steps: int) -> float:
@@ -292,6 +278,25 @@ def sizing_markdown(s: dict) -> str:
                      + (f"{1e3 * r['layer_s']:.1f}" if r["layer_s"] else "-")
                      + f" | {1e3 * r['net_s_per_token']:.2f} | {tok} |")
     return "\n".join(lines) + "\n"
+
+
+def suite(*, smoke: bool = False, threads: int | None = None, log=_log) -> dict:
+    """``dsv4-ort bench --pipeline``: :func:`measure` on the bench preset (the tiny one, 1 round, with ``smoke``) and
+    the sizing table from its figures."""
+    m = measure("tiny" if smoke else "bench", threads=threads or 2, steps=2 if smoke else 8, rounds=1 if smoke else 3,
+                log=log)
+    return {"measured": m, "sizing": sizing(m)}
+
+
+def suite_markdown(r: dict) -> str:
+    return f"{markdown(r['measured'])}\n\n{sizing_markdown(r['sizing'])}\n"
+
+
+def write(result: dict, out_dir) -> None:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "pipeline.json").write_text(json.dumps(result, indent=1))
+    (out / "pipeline.md").write_text(suite_markdown(result))
 
 
 def main(argv=None) -> int:

@@ -24,6 +24,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -139,6 +140,57 @@ def run(model_dir, *, threads: int = 2, context: int = 512, tokens: int = 128, r
     proj = {k: {str(a): projected_speedup(costs, k, a) for a in PROJECTED_ACCEPTANCE} for k in (1, 2, 3)}
     return {"model": str(model_dir), "threads": threads, "cpu": cpu_name(), "costs": costs, "generation": gen,
             "projected_speedup": proj}
+
+
+def mtp_export(preset: str, max_seq_len: int, log, fitted: bool = False) -> Path:
+    """The preset with its MTP block (FP4 draft head) in the bench cache, once; ``fitted``: MTP weights fitted to the
+    main model (:func:`dsv4_ort.models.mtp_fit.cached_fit`; the tiny preset's fit), else the random ones."""
+    from .e2e import cached_export
+
+    kw = {}
+    if fitted:
+        from dsv4_ort.models.config import DeepseekV4Config
+        from dsv4_ort.models.mtp_fit import cached_fit
+
+        log(f"  fitting the {preset} preset's MTP block to its main model (once per machine)")
+        kw["mtp_weights"] = cached_fit(DeepseekV4Config.from_preset(preset))[0]
+    name = f"{preset}-mtp{'fitted' if fitted else 'random'}-seed0-len{max_seq_len}"
+    return cached_export(name, log, preset=preset, seed=0, max_seq_len=max_seq_len, logits="last", mtp=True, **kw)
+
+
+def suite(*, smoke: bool = False, threads: int | None = None, log=None) -> dict:
+    """``dsv4-ort bench --speculative``: step costs, greedy generation with and without MTP and the projected
+    speed-ups on the bench preset (its MTP block is random: acceptance ~0, the costs are what matter), and the
+    acceptance and speed-up of the fitted MTP block on the tiny preset (the only preset with a fit). ``smoke``: the
+    tiny preset for both, few tokens."""
+    from dsv4_ort.runtime.session import physical_cores
+
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    threads = int(threads or physical_cores())
+    tokens, context = (24, 64) if smoke else (64, 512)
+    big = "tiny" if smoke else "bench"
+    log(f"speculative: step costs and generation on the {big} preset")
+    costs = run(mtp_export(big, 1024, log), threads=threads, context=context, tokens=tokens,
+                repeats=3 if smoke else 7)
+    log("speculative: acceptance of the fitted MTP block on the tiny preset")
+    fitted = run(mtp_export("tiny", 1024, log, fitted=True), threads=threads, context=64,
+                 tokens=tokens if smoke else 400, repeats=3)
+    return {"preset": big, "threads": threads, "cpu": cpu_name(), "costs": costs, "fitted_tiny": fitted}
+
+
+def suite_markdown(r: dict) -> str:
+    f = r["fitted_tiny"]["generation"]
+    acc = " / ".join(f"k={k}: {f[f'mtp_{k}']['acceptance']:.2f} ({f[f'mtp_{k}']['tokens_per_cycle']:.2f} tokens per "
+                     f"cycle, {f[f'mtp_{k}']['speedup']:.2f}x, identical {f[f'mtp_{k}']['identical']})"
+                     for k in (1, 2, 3))
+    return (f"{markdown(r['costs'])}\n\nfitted MTP block, tiny preset, greedy {f['tokens']} tokens: acceptance {acc}\n")
+
+
+def write(result: dict, out_dir) -> None:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "speculative.json").write_text(json.dumps(result, indent=1))
+    (out / "speculative.md").write_text(suite_markdown(result))
 
 
 def markdown(r: dict) -> str:
