@@ -141,7 +141,7 @@ void DecodeRowsF32(const WeightView& w, int64_t n0, int64_t rows, int64_t kp, fl
 // Inner loops: res[i][q] = sum_k x_i[k] * w_q[k] for 4 weight rows and MR activation rows.
 
 template <int MR>
-void DotBf16(const uint16_t* const* w, int64_t kw, const uint16_t* x, int64_t xs, float res[][4]) {
+void DotBf16(const uint16_t* const* w, int64_t kw, const uint16_t* x, int64_t xs, bool prefetch, float res[][4]) {
   __m512 acc[MR][4];
   for (int i = 0; i < MR; ++i)
     for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_setzero_ps();
@@ -149,7 +149,7 @@ void DotBf16(const uint16_t* const* w, int64_t kw, const uint16_t* x, int64_t xs
   for (; k + 32 <= kw; k += 32) {
     __m512bh a[4];
     for (int q = 0; q < 4; ++q) {
-      _mm_prefetch(reinterpret_cast<const char*>(w[q] + k) + kPrefetchBytes, _MM_HINT_T0);
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w[q] + k) + kPrefetchBytes, _MM_HINT_T0);
       a[q] = AsBh(_mm512_loadu_si512(w[q] + k));
     }
     for (int i = 0; i < MR; ++i) {
@@ -172,7 +172,7 @@ void DotBf16(const uint16_t* const* w, int64_t kw, const uint16_t* x, int64_t xs
 
 // fp32 activations in [even, odd] chunk layout against bf16 rows.
 template <int MR>
-void DotF32Bf16(const uint16_t* const* w, int64_t kw, const float* x, int64_t xs, float res[][4]) {
+void DotF32Bf16(const uint16_t* const* w, int64_t kw, const float* x, int64_t xs, bool prefetch, float res[][4]) {
   __m512 acc[MR][4];
   for (int i = 0; i < MR; ++i)
     for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_setzero_ps();
@@ -181,7 +181,7 @@ void DotF32Bf16(const uint16_t* const* w, int64_t kw, const float* x, int64_t xs
     const __mmask32 mask = Mask32(kw - k);
     __m512 we[4], wo[4];
     for (int q = 0; q < 4; ++q) {
-      _mm_prefetch(reinterpret_cast<const char*>(w[q] + k) + kPrefetchBytes, _MM_HINT_T0);
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w[q] + k) + kPrefetchBytes, _MM_HINT_T0);
       const __m512i v = _mm512_maskz_loadu_epi16(mask, w[q] + k);
       we[q] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
       wo[q] = _mm512_castsi512_ps(_mm512_and_si512(v, odd_mask));
@@ -200,7 +200,7 @@ void DotF32Bf16(const uint16_t* const* w, int64_t kw, const float* x, int64_t xs
 
 // fp32 activations against fp32 rows (both in column order).
 template <int MR>
-void DotF32(const float* const* w, int64_t kw, const float* x, int64_t xs, float res[][4]) {
+void DotF32(const float* const* w, int64_t kw, const float* x, int64_t xs, bool prefetch, float res[][4]) {
   __m512 acc[MR][4];
   for (int i = 0; i < MR; ++i)
     for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_setzero_ps();
@@ -208,7 +208,7 @@ void DotF32(const float* const* w, int64_t kw, const float* x, int64_t xs, float
     const __mmask16 mask = TailMask(kw - k);
     __m512 a[4];
     for (int q = 0; q < 4; ++q) {
-      _mm_prefetch(reinterpret_cast<const char*>(w[q] + k) + kPrefetchBytes, _MM_HINT_T0);
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w[q] + k) + kPrefetchBytes, _MM_HINT_T0);
       a[q] = _mm512_maskz_loadu_ps(mask, w[q] + k);
     }
     for (int i = 0; i < MR; ++i) {
@@ -221,41 +221,41 @@ void DotF32(const float* const* w, int64_t kw, const float* x, int64_t xs, float
 }
 
 template <class W, class X>
-void Dot(int mr, const W* const* w, int64_t kw, const X* x, int64_t xs, float res[][4]) {
+void Dot(int mr, const W* const* w, int64_t kw, const X* x, int64_t xs, bool pf, float res[][4]) {
   if constexpr (sizeof(W) == 2 && sizeof(X) == 2) {
     switch (mr) {
-      case 1: DotBf16<1>(w, kw, x, xs, res); break;
-      case 2: DotBf16<2>(w, kw, x, xs, res); break;
-      case 3: DotBf16<3>(w, kw, x, xs, res); break;
-      default: DotBf16<4>(w, kw, x, xs, res); break;
+      case 1: DotBf16<1>(w, kw, x, xs, pf, res); break;
+      case 2: DotBf16<2>(w, kw, x, xs, pf, res); break;
+      case 3: DotBf16<3>(w, kw, x, xs, pf, res); break;
+      default: DotBf16<4>(w, kw, x, xs, pf, res); break;
     }
   } else if constexpr (sizeof(W) == 2) {
     switch (mr) {
-      case 1: DotF32Bf16<1>(w, kw, x, xs, res); break;
-      case 2: DotF32Bf16<2>(w, kw, x, xs, res); break;
-      case 3: DotF32Bf16<3>(w, kw, x, xs, res); break;
-      default: DotF32Bf16<4>(w, kw, x, xs, res); break;
+      case 1: DotF32Bf16<1>(w, kw, x, xs, pf, res); break;
+      case 2: DotF32Bf16<2>(w, kw, x, xs, pf, res); break;
+      case 3: DotF32Bf16<3>(w, kw, x, xs, pf, res); break;
+      default: DotF32Bf16<4>(w, kw, x, xs, pf, res); break;
     }
   } else {
     switch (mr) {
-      case 1: DotF32<1>(w, kw, x, xs, res); break;
-      case 2: DotF32<2>(w, kw, x, xs, res); break;
-      case 3: DotF32<3>(w, kw, x, xs, res); break;
-      default: DotF32<4>(w, kw, x, xs, res); break;
+      case 1: DotF32<1>(w, kw, x, xs, pf, res); break;
+      case 2: DotF32<2>(w, kw, x, xs, pf, res); break;
+      case 3: DotF32<3>(w, kw, x, xs, pf, res); break;
+      default: DotF32<4>(w, kw, x, xs, pf, res); break;
     }
   }
 }
 
 template <class W, class X>
 void RowsBlock(const W* base, int64_t stride, int64_t rows, int64_t kw, const X* x, int64_t xs, int64_t m,
-               const MatOut& out, int64_t col0) {
+               const MatOut& out, int64_t col0, bool prefetch) {
   for (int64_t m0 = 0; m0 < m; m0 += 4) {
     const int mr = static_cast<int>(m - m0 < 4 ? m - m0 : 4);
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
       const W* w[4];
       for (int q = 0; q < 4; ++q) w[q] = base + (r0 + q < rows ? r0 + q : rows - 1) * stride;
       float res[4][4];
-      Dot(mr, w, kw, x + m0 * xs, xs, res);
+      Dot(mr, w, kw, x + m0 * xs, xs, prefetch, res);
       StoreResults(out, m0, mr, col0 + r0, rows - r0 < 4 ? rows - r0 : 4, res);
     }
   }
@@ -337,20 +337,23 @@ void Rows(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n
           base = static_cast<const uint16_t*>(scratch);
           stride = kp;
         }
+        // rows decoded into scratch are in L1 / L2: only weights read in place are prefetched
+        const bool prefetch = kind == RowKind::kBf16Direct && w.prefetch;
         if (act == ActType::kBf16) {
-          RowsBlock(base, stride, rows, kw, static_cast<const uint16_t*>(xp), kp, m, out, col0);
+          RowsBlock(base, stride, rows, kw, static_cast<const uint16_t*>(xp), kp, m, out, col0, prefetch);
         } else {
-          RowsBlock(base, stride, rows, kw, static_cast<const float*>(xp), kp, m, out, col0);
+          RowsBlock(base, stride, rows, kw, static_cast<const float*>(xp), kp, m, out, col0, prefetch);
         }
         break;
       }
       case RowKind::kF32Direct:
         RowsBlock(static_cast<const float*>(w.data) + b0 * kw, kw, rows, kw, static_cast<const float*>(xp), kp, m,
-                  out, col0);
+                  out, col0, w.prefetch);
         break;
       case RowKind::kF32Decoded:
         DecodeRowsF32(w, b0, rows, kp, static_cast<float*>(scratch));
-        RowsBlock(static_cast<const float*>(scratch), kp, rows, kw, static_cast<const float*>(xp), kp, m, out, col0);
+        RowsBlock(static_cast<const float*>(scratch), kp, rows, kw, static_cast<const float*>(xp), kp, m, out, col0,
+                  false);
         break;
     }
   }

@@ -55,6 +55,8 @@ class LibraryInfoKernel final : public Kernel {
       js << (i ? ", " : "") << '"' << families[i].family << "\": \"" << LevelSourceName(families[i].source) << '"';
     }
     js << "}, \"batch_invariant_rows\": " << tables_->invariant_rows;
+    js << ", \"weight_prefetch\": " << (tables_->weight_prefetch ? "true" : "false")
+       << ", \"weight_prefetch_source\": \"" << LevelSourceName(tables_->prefetch_source) << '"';
     js << ", \"cpu\": {\"vendor\": \"" << f.vendor << "\", \"family\": " << f.family << ", \"model\": " << f.model
        << "}}";
     ctx.OutputStrings(0, {js.str()});

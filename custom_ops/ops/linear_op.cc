@@ -21,6 +21,7 @@ class LinearKernelBase : public Kernel {
   explicit LinearKernelBase(const KernelInit& init)
       : k_(*init.tables->linear),
         invariant_rows_(init.tables->invariant_rows),
+        prefetch_(init.tables->weight_prefetch),
         groups_(init.attrs->Int("groups")),
         bf16_products_(init.attrs->String("compute") == "bf16") {}
 
@@ -43,6 +44,7 @@ class LinearKernelBase : public Kernel {
   void Run(ComputeContext& ctx, const WeightView& weight, LinearF32Fn f32, LinearBf16Fn bf16, LinearF32Fn f32bf16) const {
     WeightView w = weight;  // + the session's batch-invariance bound (WeightView::invariant_rows)
     w.invariant_rows = invariant_rows_;
+    w.prefetch = prefetch_;
     const InputView& x = ctx.Input(0);
     const int64_t k = x.dim(-1);
     const int64_t want_k = CheckedMul(groups_, w.cols, "K = groups * Kw");
@@ -72,6 +74,7 @@ class LinearKernelBase : public Kernel {
 
   const LinearKernels& k_;
   const int64_t invariant_rows_;  // DSV4_ORT_BATCH_INVARIANT of the session's plan
+  const bool prefetch_;           // the plan's weight prefetch (WeightView::prefetch)
   const int64_t groups_;
   const bool bf16_products_;  // compute="bf16": fp32 activations multiply as bf16 (kernels/linear.h)
   const void* checked_scale_ = nullptr;  // constant scale validated at creation

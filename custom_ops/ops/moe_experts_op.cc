@@ -30,7 +30,8 @@ class MoeExpertsKernelBase : public Kernel {
   explicit MoeExpertsKernelBase(const KernelInit& init)
       : k_(*init.tables->moe_experts),
         limit_(init.attrs->Float("swiglu_limit")),
-        invariant_rows_(init.tables->invariant_rows) {}
+        invariant_rows_(init.tables->invariant_rows),
+        prefetch_(init.tables->weight_prefetch) {}
 
   // Validates the constant scale inputs s1, s2, s3 once (all experts); CheckUsedScales then skips those buffers.
   void CheckConstantScales(const KernelInit& init) {
@@ -125,6 +126,7 @@ class MoeExpertsKernelBase : public Kernel {
            MoeExpertsBf16Fn bf16) const {
     ExpertWeights w = weights_in;  // + the session's batch-invariance bound (WeightView::invariant_rows)
     w.w1.invariant_rows = w.w2.invariant_rows = w.w3.invariant_rows = invariant_rows_;
+    w.w1.prefetch = w.w2.prefetch = w.w3.prefetch = prefetch_;
     const InputView &x = ctx.Input(kX), &weights = ctx.Input(kWeights), &indices = ctx.Input(kIndices);
     const int64_t tokens = x.dim(0);
     void* y = ctx.Output(0, x.numel);
@@ -160,6 +162,7 @@ class MoeExpertsKernelBase : public Kernel {
   const MoeExpertsKernels& k_;
   const float limit_;
   const int64_t invariant_rows_;  // DSV4_ORT_BATCH_INVARIANT of the session's plan
+  const bool prefetch_;           // the plan's weight prefetch (WeightView::prefetch)
   const void* checked_scales_[3] = {nullptr, nullptr, nullptr};  // constant s1, s2, s3 validated at creation
 };
 

@@ -58,23 +58,33 @@ struct FamilyPlan {
   // Batch invariance (DSV4_ORT_BATCH_INVARIANT, 0 = off): linear and MoE expert calls of at most this many rows
   // compute every row as a one-row call does (kernels/linear.h, WeightView::invariant_rows).
   int64_t invariant_rows = 0;
+  // Software prefetch of bf16 / fp32 weight rows in the linear and expert rows path (WeightView::prefetch): the CPU
+  // policy's choice (CpuPrefetch) unless DSV4_ORT_KERNELS has `prefetch=on|off`.
+  bool weight_prefetch = true;
+  LevelSource prefetch_source = LevelSource::kCap;
   bool operator==(const FamilyPlan& o) const {
-    return cap == o.cap && level == o.level && source == o.source && invariant_rows == o.invariant_rows;
+    return cap == o.cap && level == o.level && source == o.source && invariant_rows == o.invariant_rows &&
+           weight_prefetch == o.weight_prefetch && prefetch_source == o.prefetch_source;
   }
 };
 
 // The plan for `cap` (already clamped to MaxSupportedIsa()) on this CPU. `forced` is DSV4_ORT_KERNELS or nullptr:
-// comma-separated `family=level` entries (e.g. "linear=avx2,indexer=scalar"); a forced level above the cap is
-// clamped to the cap (the cap stays the ceiling). Throws std::invalid_argument naming a malformed entry, an unknown
-// family or level.
+// comma-separated `family=level` entries (e.g. "linear=avx2,indexer=scalar") and optionally `prefetch=on|off`; a
+// forced level above the cap is clamped to the cap (the cap stays the ceiling). Throws std::invalid_argument naming
+// a malformed entry, an unknown family or level.
 FamilyPlan MakePlan(IsaLevel cap, const char* forced);
 
 // The levels the CPU policy lowers under `cap` on the CPU `f` (kCap entries where it has nothing to say).
 std::array<IsaLevel, kNumFamilies> CpuPolicy(IsaLevel cap, const CpuFeatures& f);
 
+// Whether the CPU `f` streams weight rows faster with the decode loops' software prefetch (FamilyPlan).
+bool CpuPrefetch(const CpuFeatures& f);
+
 struct KernelTables {
   IsaLevel level = IsaLevel::kScalar;  // the plan's cap
   int64_t invariant_rows = 0;          // the plan's batch-invariance bound
+  bool weight_prefetch = true;         // the plan's weight prefetch
+  LevelSource prefetch_source = LevelSource::kCap;
 #define DSV4_TABLE_MEMBER(member, Type, name) \
   const Type* member = nullptr;               \
   IsaLevel member##_level = IsaLevel::kScalar; \

@@ -61,7 +61,8 @@ def register(session_options) -> None:
 def library_info(isa: str | None = None, kernels: str | None = None, batch_invariant: int | None = None) -> dict:
     """What the library reports about itself in a session: op table, CPU (vendor, family, model, features), the
     ISA level of each kernel family and why (``family_source``: ``cap``, ``cpu`` policy or ``forced``), and the
-    batch-invariance bound (``batch_invariant_rows``, 0 = off).
+    batch-invariance bound (``batch_invariant_rows``, 0 = off), and whether the linear / expert rows path prefetches
+    bf16 / fp32 weight rows in software (``weight_prefetch``, with ``weight_prefetch_source`` as for families).
 
     ``isa`` caps the level like ``DSV4_ORT_ISA``, ``kernels`` forces families like ``DSV4_ORT_KERNELS``,
     ``batch_invariant`` sets ``DSV4_ORT_BATCH_INVARIANT`` (all read when the library is registered).

@@ -41,6 +41,9 @@ def _cmd_info(args) -> int:
     why = {"cap": "", "cpu": "  (faster on this CPU)", "forced": "  (DSV4_ORT_KERNELS)"}
     for fam, level in info["families"].items():
         print(f"  {fam:<18} {level}{why[info['family_source'][fam]]}")
+    why_pf = {"cap": "", "cpu": "  (the hardware prefetchers stream faster alone on this CPU)",
+              "forced": "  (DSV4_ORT_KERNELS)"}
+    print(f"weight prefetch: {'on' if info['weight_prefetch'] else 'off'}{why_pf[info['weight_prefetch_source']]}")
     return 0
 
 

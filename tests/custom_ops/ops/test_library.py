@@ -82,6 +82,19 @@ def test_forced_family_levels():
         assert needle in str(e.value)
 
 
+def test_weight_prefetch_follows_the_cpu_and_can_be_forced():
+    """The rows path's weight prefetch: the CPU policy's choice (off on AMD family 0x19), or DSV4_ORT_KERNELS."""
+    info = library_info()
+    zen = info["cpu"]["vendor"] == "AuthenticAMD" and info["cpu"]["family"] == 0x19
+    assert info["weight_prefetch"] is (not zen)
+    assert info["weight_prefetch_source"] == ("cpu" if zen else "cap")
+    for value in ("on", "off"):
+        forced = dsv4_ort.library_info(kernels=f"prefetch={value}")
+        assert forced["weight_prefetch"] is (value == "on") and forced["weight_prefetch_source"] == "forced"
+    with pytest.raises(ValueError, match="prefetch='sometimes' is neither on nor off"):
+        dsv4_ort.library_info(kernels="prefetch=sometimes")
+
+
 def test_invalid_isa_value_lists_valid_ones():
     with pytest.raises(Exception) as e:
         dsv4_ort.library_info("sse9")
