@@ -82,7 +82,9 @@ def test_covered_tensors_and_graph(models):
     assert op_of["layers.0.ffn.gate.weight"] == "Linear"
     assert "MoeExpertsFp4" in ops.values()  # the shared expert
     meta = Session(models["option"].parent).meta
-    assert meta["weights"]["requantized"] == OPTION and meta["weights"]["formats"]["head"] == ["fp8"]
+    # the MTP draft head is recorded too: "shared" for an export without the MTP graph
+    assert meta["weights"]["requantized"] == {**OPTION, "mtp_head": "shared"}
+    assert meta["weights"]["formats"]["head"] == ["fp8"]
 
 
 @pytest.mark.parametrize("level", available_isa_levels())
