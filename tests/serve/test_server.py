@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -121,3 +122,70 @@ def test_speculative_needs_an_mtp_export(model):
     assert r.returncode == 2 and "no MTP graph" in r.stderr and r.stderr.count("\n") == 1, r.stderr
     r = _cli("serve", str(model), "--speculative", "mtp", "--num-draft", "4")
     assert r.returncode == 2 and "num_draft must be <= 3" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+@pytest.fixture(scope="module")
+def staged_model(tmp_path_factory, cache):
+    """The tiny preset exported as one graph and in two pipeline stages (export --stages 2)."""
+    from dsv4_ort.export import export_model
+
+    require_library()
+    ck = cache.checkpoint("tiny")
+    root = tmp_path_factory.mktemp("serve-stages")
+    one = export_model(ck, root / "one", logits="last", max_seq_len=256, progress=False).parent
+    return one, export_model(ck, root / "staged", logits="last", max_seq_len=256, progress=False, stages=2).parent
+
+
+def _greedy_completions(srv, prompts, max_tokens):
+    """Greedy completions of ``prompts`` sent together (one thread each), as lists of token ids."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(p):
+        with httpx.Client(timeout=120) as c:
+            r = c.post(srv.url + "/v1/completions",
+                       json={"prompt": p, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return [int(t) for t in r.json()["choices"][0]["text"].split()]  # no tokenizer: the text is the ids
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+def test_serve_pipeline_stages_in_process_and_on_ray(staged_model):
+    """`serve` on a 2-stage export, its stages in the server's process and then as Ray actors (`--ray ADDRESS`
+    of a Ray instance this test starts on loopback): requests decoding together get the single graph's greedy
+    tokens, and the actors go away with the server."""
+    ray = pytest.importorskip("ray", reason="the Ray backend needs ray (pip install 'dsv4-ort[cluster]')")
+    from dsv4_ort.runtime import Session
+    from dsv4_ort.runtime.pipeline import start_local_ray
+
+    one, staged = staged_model
+    prompts = [[7, 8, 9, 10, 11], [3, 4], [12, 13, 14]]
+    sess = Session(one, intra_op_threads=1, batch_invariant=4)
+    want = [sess.generate(p, 12) for p in prompts]
+
+    srv = ServerProcess(staged, "--max-batch", "4")
+    try:
+        assert _greedy_completions(srv, prompts, 12) == want
+    finally:
+        assert srv.stop() == 0
+
+    if ray.is_initialized():
+        ray.shutdown()
+    start_local_ray(3, object_store_memory=128 << 20)
+    try:
+        address = ray.get_runtime_context().gcs_address
+        srv = ServerProcess(staged, "--max-batch", "4", "--ray", address)
+        try:
+            with httpx.Client(timeout=30) as c:
+                assert c.get(srv.url + "/health").status_code == 200
+            assert _greedy_completions(srv, prompts, 12) == want
+            assert ray.available_resources().get("CPU", 0) == 1  # one actor per stage, a CPU each
+        finally:
+            assert srv.stop() == 0
+        deadline = time.monotonic() + 30
+        while ray.available_resources().get("CPU", 0) < 3 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert ray.available_resources().get("CPU", 0) == 3
+    finally:
+        ray.shutdown()
