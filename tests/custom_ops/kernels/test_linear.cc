@@ -537,6 +537,57 @@ void TestBatchInvariant(const Variant& v, ActType act, Fmt fmt) {
 // The weight prefetch (WeightView::prefetch, off on AMD Zen 4) only moves data: results are bit-identical with it
 // on and off, for every format (bf16 / fp32 rows read in place are the ones it applies to) and row counts on the
 // rows path and above it.
+// Every FP8 code decodes to its exact value in every inner loop: activation rows that are one-hot (1.0 at column j
+// of row i) make output (i, n) the weight W[n, j] itself, which must equal code value x E8M0 scale exactly
+// (subnormal codes, zeros and both signs included; NaN codes have their own test). Tolerance-based checks could
+// miss one wrong table entry among 256 codes.
+void TestFp8CodesExact(const Variant& v) {
+  dsv4_test::RequireIsa(v.needs);
+  constexpr int64_t kN = 8, kK = 256, kBlock = 128;
+  Weight w;
+  w.view.format = WeightFormat::kFp8E4M3;
+  w.view.scale_format = ScaleFormat::kE8M0;
+  w.view.rows = kN;
+  w.view.cols = kK;
+  w.view.block = kBlock;
+  w.data.resize(kN * kK);
+  for (int64_t n = 0; n < kN; ++n) {
+    for (int64_t k = 0; k < kK; ++k) {
+      const uint8_t c = static_cast<uint8_t>((k + 37 * n) & 0xFF);
+      w.data[n * kK + k] = (c & 0x7F) == 0x7F ? 0 : c;
+    }
+  }
+  w.scale = {127, 120};  // 1 and 2^-7, per 128-column block
+  for (ActType act : {ActType::kF32, ActType::kBf16}) {
+    for (int64_t m : {1, 2, 3, 4, 5}) {
+      for (bool prefetch : {true, false}) {  // the plan's two row orders (DotFp8Rows)
+        Problem p{act, m, 1, w, {}, {}};
+        p.w.view.data = p.w.data.data();
+        p.w.view.scale = p.w.scale.data();
+        p.w.view.prefetch = prefetch;
+        for (int64_t j = 0; j < kK; ++j) {
+          p.x32.assign(m * kK, 0.0f);
+          for (int64_t i = 0; i < m; ++i) p.x32[i * kK + (j + 61 * i) % kK] = 1.0f;
+          p.x16 = dsv4_test::ToBf16(p.x32);
+          const std::vector<float> got = Run(v.run, p, dsv4::SerialParallel());
+          for (int64_t i = 0; i < m; ++i) {
+            const int64_t col = (j + 61 * i) % kK;
+            for (int64_t n = 0; n < kN; ++n) {
+              const uint8_t code = p.w.data[n * kK + col];
+              const float want = dsv4::Fp8E4M3ToF32(code) * dsv4::E8M0ToF32(p.w.scale[col / kBlock]);
+              const float g = got[i * kN + n];
+              KT_CHECK(g == want)  // exact (a sum from +0 turns the -0 code into +0)
+                  << v.name << (act == ActType::kF32 ? " f32" : " bf16") << " M=" << m << " prefetch " << prefetch
+                  << " row " << i << " code 0x" << std::hex << int{code} << std::dec << " (column " << col
+                  << "): got " << g << ", want " << want;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 void TestPrefetchOff(const Variant& v) {
   dsv4_test::RequireIsa(v.needs);
   Rng rng(515);
@@ -570,6 +621,7 @@ const bool kRegistered = [] {
     }
     kt::Register("linear_" + v.name + "_nan_codes_and_empty", [v] { TestNanAndEmpty(v); });
     kt::Register("linear_" + v.name + "_scale_extremes", [v] { TestScaleExtremes(v); });
+    kt::Register("linear_" + v.name + "_fp8_codes_exact", [v] { TestFp8CodesExact(v); });
   }
 #if DSV4_X86_VARIANTS && DSV4_HAVE_AMX_EMULATION
   kt::Register("linear_amx_matches_emulation", TestAmxMatchesEmulation);
