@@ -3,12 +3,14 @@
 // the experts this call uses, before the kernel runs. Scales that are constant initializers are checked whole (every
 // expert) once, when the kernel is created, and not again per call. Constant FP8 expert weights are scanned once for
 // NaN codes; without any, the kernels take their NaN-free decode (WeightView::fp8_finite). Expert weights are used
-// in place.
+// in place. compute="bf16" runs fp32 x through the bf16 slot (x rounded to bf16, y widened back): the experts then
+// compute as DeepSeek's bf16 reference does, on the bf16 products of VDPBF16PS / AMX-BF16.
 #include <algorithm>
 #include <string>
 #include <vector>
 
 #include "kernels/moe_experts.h"
+#include "numerics/bf16.h"
 #include "ops/kernel_api.h"
 #include "ops/op_checks.h"
 #include "ops/quant_checks.h"
@@ -31,7 +33,8 @@ class MoeExpertsKernelBase : public Kernel {
       : k_(*init.tables->moe_experts),
         limit_(init.attrs->Float("swiglu_limit")),
         invariant_rows_(init.tables->invariant_rows),
-        prefetch_(init.tables->weight_prefetch) {}
+        prefetch_(init.tables->weight_prefetch),
+        bf16_products_(init.attrs->String("compute") == "bf16") {}
 
   // Validates the constant scale inputs s1, s2, s3 once (all experts); CheckUsedScales then skips those buffers.
   void CheckConstantScales(const KernelInit& init) {
@@ -145,6 +148,15 @@ class MoeExpertsKernelBase : public Kernel {
     }
     if (x.dtype == kBFloat16) {
       bf16(x.as<uint16_t>(), tokens, wt, idx, r.top_k, w, limit_, static_cast<uint16_t*>(y), ctx.Par());
+    } else if (bf16_products_) {
+      // fp32 x as bf16, y back to fp32 ([T, d] each: small beside the weights the call reads)
+      const size_t n = static_cast<size_t>(x.numel);
+      std::vector<uint16_t> xb(n), yb(n);
+      const float* xf = x.as<float>();
+      for (size_t i = 0; i < n; ++i) xb[i] = F32ToBf16(xf[i]);
+      bf16(xb.data(), tokens, wt, idx, r.top_k, w, limit_, yb.data(), ctx.Par());
+      float* yf = static_cast<float*>(y);
+      for (size_t i = 0; i < n; ++i) yf[i] = Bf16ToF32(yb[i]);
     } else {
       f32(x.as<float>(), tokens, wt, idx, r.top_k, w, limit_, static_cast<float*>(y), ctx.Par());
     }
@@ -163,6 +175,7 @@ class MoeExpertsKernelBase : public Kernel {
   const float limit_;
   const int64_t invariant_rows_;  // DSV4_ORT_BATCH_INVARIANT of the session's plan
   const bool prefetch_;           // the plan's weight prefetch (WeightView::prefetch)
+  const bool bf16_products_;      // compute="bf16": fp32 x through the bf16 slot
   const void* checked_scales_[3] = {nullptr, nullptr, nullptr};  // constant s1, s2, s3 validated at creation
 };
 

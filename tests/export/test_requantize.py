@@ -113,13 +113,13 @@ def test_bad_options_and_shapes(tmp_path):
     np.testing.assert_array_equal(QN.dequant_fp8_block(fp8.weight.data, fp8.scale.data), np.ones((4, 48)))
 
 
-# ---- --compute bf16: the linears' products in bf16 (op attribute compute="bf16") ----
+# ---- --compute bf16: the linears' and experts' products in bf16 (op attribute compute="bf16") ----
 
 def test_compute_bf16_export(cache, tmp_path):
     ck = cache.checkpoint("tiny")
     path = export_model(ck, tmp_path / "bf16", logits="all", max_seq_len=256, progress=False, compute="bf16")
     g = onnx.load(str(path), load_external_data=False).graph
-    linears = [n for n in g.node if n.op_type.startswith("Linear")]
+    linears = [n for n in g.node if n.op_type.startswith(("Linear", "MoeExperts"))]
     assert linears and all(onnx.helper.get_attribute_value(a) == b"bf16" for n in linears for a in n.attribute
                            if a.name == "compute")
     assert all(any(a.name == "compute" for a in n.attribute) for n in linears)
@@ -127,7 +127,12 @@ def test_compute_bf16_export(cache, tmp_path):
     assert sess.meta["compute"] == "bf16"
     ids = random_ids(config("tiny").vocab_size, (1, 24), seed=12)
     ref = reference_logits(cache.reference(("tiny",)), ids)
-    err = rel_err(sess.forward(ids, sess.new_state(1)), ref)
-    assert 1e-6 < err < 2e-2  # bf16 products: a bf16-sized change, not an exact result and not a broken one
+    got = sess.forward(ids, sess.new_state(1))
+    # bf16 products: a bf16-sized change at each position, not an exact result and not a broken one. The experts'
+    # bf16 rounding can also tip a near-tied expert choice in a later layer, which moves that position as a whole
+    # (random weights have such ties), so a few positions may differ by more.
+    errs = np.array([rel_err(got[:, t], ref[:, t]) for t in range(ids.shape[1])])
+    assert 1e-6 < np.median(errs) < 2e-2, errs
+    assert (errs < 2e-2).mean() >= 0.8, errs
     with pytest.raises(ExportError, match="compute"):
         export_model(None, tmp_path / "bad", preset="tiny", compute="fp16", progress=False)

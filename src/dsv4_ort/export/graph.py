@@ -45,7 +45,7 @@ from . import schema
 
 FLOAT, BF16, I64, U8 = (schema.ONNX_TYPES[t] for t in ("float", "bfloat16", "int64", "uint8"))
 STATE_FORMATS = ("default", "fp8")
-COMPUTE_MODES = ("fp32", "bf16")  # products of the linears' fp32 activations (op attribute "compute")
+COMPUTE_MODES = ("fp32", "bf16")  # products of the linears' and experts' fp32 activations (op attribute "compute")
 ACT = FLOAT  # activation and state dtype of the exported graph
 OPSET = 21
 IR_VERSION = 10  # opset 21 needs IR 10; onnxruntime 1.21 reads IR <= 10
@@ -356,6 +356,8 @@ class DecoderGraph:
                 raise GraphBuildError(f"{prefix}: FP8 blocks {sorted(blocks)} must be square and equal")
             if "block_size" in {a.name for a in _spec(op).attributes}:
                 attrs["block_size"] = int(ws[0].block[0])
+        if self.compute != "fp32":  # the attribute's default is fp32
+            attrs["compute"] = self.compute
         return self.g.custom(op, ins, {"y": out}, out, **attrs)[0]
 
     # ------------------------------------------------------------------------------------------- graph

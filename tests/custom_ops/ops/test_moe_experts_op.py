@@ -340,3 +340,40 @@ def test_fp4_bad_scale():
     inputs["s1"][used, 5, 1] = 0xFF
     msg = session_error("MoeExpertsFp4", inputs)
     assert "'s1'" in msg and "0xFF" in msg and f"[{used}, 5, 1]" in msg
+
+
+# ---- compute="bf16": fp32 x through the bf16 slot (x rounded to bf16, y widened back to float) ----
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_moe_experts_bf16_compute(isa, fmt, shape):
+    """Bit for bit the op on bf16(x), widened: routed and dense-MLP mode; and within bf16 distance of the exact fp32
+    result (the reference of the bf16 slot is test_moe_experts' bfloat16 case)."""
+    tokens, experts, k, dim, inter = shape
+    rng = np.random.default_rng(tokens + dim + FORMATS.index(fmt))
+    x, _ = activations(rng, tokens, dim, "float32")
+    weights, indices = routing(rng, tokens, experts, k, unused=(experts - 1,))
+    routed, dense = expert_weights(rng, experts, inter, dim, fmt), expert_weights(rng, 1, inter, dim, fmt)
+    for wt, idx, w in ((weights, indices, routed), (None, None, dense)):
+        w1, w2, w3 = w
+        inputs = {"x": x, "weights": wt, "indices": idx, "w1": w1.data, "w2": w2.data, "w3": w3.data}
+        if w1.scale is not None:
+            inputs.update(s1=w1.scale, s2=w2.scale, s3=w3.scale)
+        op = "MoeExperts" + SUFFIX[fmt]
+        y = run_op(op, inputs, {"compute": "bf16"}, isa)[0]
+        assert y.dtype == np.float32 and y.shape == x.shape
+        want = run_op(op, {**inputs, "x": bf16(x)}, {}, isa)[0]  # bf16 outputs come back as float32
+        np.testing.assert_array_equal(y, want)
+        exact = run_op(op, inputs, {}, isa)[0]
+        assert not np.array_equal(y, exact)
+        np.testing.assert_allclose(y, exact, rtol=0, atol=0.05 * float(np.abs(exact).max(initial=1.0)))
+
+
+def test_moe_experts_bf16_compute_leaves_bf16_activations_alone(isa):
+    rng = np.random.default_rng(5)
+    x, _ = activations(rng, 9, 64, "bfloat16")
+    weights, indices = routing(rng, 9, 4, 2)
+    w1, w2, w3 = expert_weights(rng, 4, 96, 64, "bf16")
+    inputs = {"x": x, "weights": weights, "indices": indices, "w1": w1.data, "w2": w2.data, "w3": w3.data}
+    np.testing.assert_array_equal(run_op("MoeExperts", inputs, {"compute": "bf16"}, isa)[0],
+                                  run_op("MoeExperts", inputs, {}, isa)[0])
