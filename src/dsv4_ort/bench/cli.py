@@ -143,6 +143,12 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "actors on a loopback-only local Ray (bytes per boundary, the Ray hop, micro-batched decode "
                         "against 1 stage) and the Flash / Pro sizing table (needs the cluster extra); writes "
                         "pipeline.json + pipeline.md into --out")
+    p.add_argument("--prefill", action="store_true",
+                   help="instead of the suite: the compute-bound paths in both compute modes (export --compute fp32 "
+                        "/ bf16) on the bench preset: prefill of 128 / 1024 / 8192 tokens with the fraction of the "
+                        "mode's compute roof, time to first token of 8k and 16k prompts in one call and in chunks, "
+                        "batched decode of 1-32 rows, transformers' bf16 prefill and llama.cpp's (when found) as "
+                        "baselines; writes prefill.json + prefill.md into --out")
     return p
 
 
@@ -152,9 +158,9 @@ def quiet_numpy_blas() -> None:
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
-# --formats / --serving / --speculative / --pipeline: (option, modules it needs, the extra that has them)
+# --formats / --serving / --speculative / --pipeline / --prefill: (option, modules it needs, the extra that has them)
 _MODES = (("formats", (), ""), ("serving", ("starlette", "uvicorn"), "serve"), ("speculative", (), ""),
-          ("pipeline", ("ray",), "cluster"))
+          ("pipeline", ("ray",), "cluster"), ("prefill", (), ""))
 
 
 def _run_mode(name: str, module, args, log) -> tuple:

@@ -13,7 +13,6 @@ usage: dsv4-ort bench --formats [--out DIR] [--threads N]   (or python -m dsv4_o
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -147,10 +146,9 @@ def markdown(result: dict) -> str:
 
 
 def write(result: dict, out_dir) -> None:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "formats.json").write_text(json.dumps(result, indent=1))
-    (out / "formats.md").write_text(markdown(result))
+    from .report import write_mode
+
+    write_mode(out_dir, "formats", result, markdown(result))
 
 
 def main(argv=None) -> int:

@@ -293,10 +293,9 @@ def suite_markdown(r: dict) -> str:
 
 
 def write(result: dict, out_dir) -> None:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "pipeline.json").write_text(json.dumps(result, indent=1))
-    (out / "pipeline.md").write_text(suite_markdown(result))
+    from .report import write_mode
+
+    write_mode(out_dir, "pipeline", result, suite_markdown(result))
 
 
 def main(argv=None) -> int:

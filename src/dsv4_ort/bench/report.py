@@ -376,4 +376,17 @@ def markdown(results: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-__all__ = ["validate", "ratios", "headline", "markdown", "BASELINE_LABELS", "e2e_md", "roofs_md", "conditions_md"]
+__all__ = ["validate", "ratios", "headline", "markdown", "BASELINE_LABELS", "e2e_md", "roofs_md", "conditions_md",
+           "write_mode"]
+
+
+def write_mode(out_dir, name: str, result: dict, text: str) -> None:
+    """The figures of a single-case mode (``bench --formats`` etc.): DIR/<name>.json, every figure, and DIR/<name>.md,
+    its tables."""
+    import json
+    from pathlib import Path
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{name}.md").write_text(text)

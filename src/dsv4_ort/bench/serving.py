@@ -174,7 +174,6 @@ def markdown(result: dict) -> str:
 
 
 def write(result: dict, out_dir) -> None:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "serving.json").write_text(json.dumps(result, indent=1))
-    (out / "serving.md").write_text(markdown(result))
+    from .report import write_mode
+
+    write_mode(out_dir, "serving", result, markdown(result))

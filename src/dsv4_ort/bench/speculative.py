@@ -187,10 +187,9 @@ def suite_markdown(r: dict) -> str:
 
 
 def write(result: dict, out_dir) -> None:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "speculative.json").write_text(json.dumps(result, indent=1))
-    (out / "speculative.md").write_text(suite_markdown(result))
+    from .report import write_mode
+
+    write_mode(out_dir, "speculative", result, suite_markdown(result))
 
 
 def markdown(r: dict) -> str:
