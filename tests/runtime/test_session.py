@@ -222,3 +222,29 @@ def test_stop_ids(tiny_last):
     stop = free[3]
     got = sess.generate([0, 1, 2], 10, stop_ids=[stop])
     assert got == free[:free.index(stop) + 1]
+
+
+def test_embedding_is_read_ahead_at_load(tiny, monkeypatch):
+    """The embedding (the one weight a step reads a few rows of) is advised into the page cache when a session
+    loads, 2 MiB per advice, exactly its bytes of the data file."""
+    import os
+
+    import onnx
+
+    from dsv4_ort.runtime import session as session_mod
+
+    ranges = session_mod.sparse_weight_ranges(tiny)
+    graph = onnx.load(str(tiny), load_external_data=False).graph
+    embed = next(t for t in graph.initializer if t.name == "embed.weight")
+    info = {e.key: e.value for e in embed.external_data}
+    assert ranges == [(tiny.parent / info["location"], int(info.get("offset", 0)), int(info["length"]))]
+    assert int(info["length"]) == np.prod(embed.dims) * 2  # bf16 rows
+
+    calls = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n, advice)))
+    Session(tiny.parent, intra_op_threads=1)
+    (_, offset, length), = ranges
+    assert calls and all(a == os.POSIX_FADV_WILLNEED and n <= 2 << 20 for _, n, a in calls)
+    assert calls[0][0] == offset and sum(n for _, n, _ in calls) == length
+    assert all(o2 == o1 + n1 for (o1, n1, _), (o2, _, _) in zip(calls, calls[1:]))
+    assert session_mod.read_ahead([(tiny.parent / "missing.data", 0, 10)]) == 0

@@ -186,6 +186,54 @@ def _ort_format_nodes(model_path: Path) -> list:
     return nodes
 
 
+def sparse_weight_ranges(model_path: Path) -> list:
+    """[(data file, offset, length)] of the external weights a step reads only a few rows of: the data input of
+    every Gather (the token embedding). onnxruntime maps external data files, so a row is read from the page cache,
+    or from disk on its first touch once the cache has let it go; every other weight is streamed whole each step
+    and stays resident by use. ORT-format models hold their weights in the model file: none listed."""
+    import onnx
+
+    if model_path.suffix != ".onnx":
+        return []
+    graph = onnx.load(str(model_path), load_external_data=False).graph
+    gathered = {n.input[0] for n in graph.node if n.op_type == "Gather" and n.domain in ("", "ai.onnx") and n.input}
+    out = []
+    for t in graph.initializer:
+        if t.name not in gathered or t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in t.external_data}
+        if "location" in info and "length" in info:
+            out.append((model_path.parent / info["location"], int(info.get("offset", 0)), int(info["length"])))
+    return out
+
+
+_READ_AHEAD_STEP = 2 << 20
+
+
+def read_ahead(ranges) -> int:
+    """Ask the kernel to bring ``ranges`` into the page cache now (POSIX_FADV_WILLNEED, asynchronous) so that the
+    first decode steps do not wait on disk for each new embedding row (measured: 0.4-0.6 ms per row on a cold
+    cache, 13 ms of a 111 ms 8-row step). Returns the bytes advised; 0 where the platform has no fadvise."""
+    if not hasattr(os, "posix_fadvise"):
+        return 0
+    done = 0
+    for path, offset, length in ranges:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:  # onnxruntime has already loaded the model, so this is a race with a deleted file
+            continue
+        try:
+            # one advice per 2 MiB: Linux reads at most its read-ahead window (a few MiB) per call
+            for at in range(offset, offset + length, _READ_AHEAD_STEP):
+                os.posix_fadvise(fd, at, min(_READ_AHEAD_STEP, offset + length - at), os.POSIX_FADV_WILLNEED)
+            done += length
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return done
+
+
 def _check_node_attributes(model_path: Path, domain: str) -> None:
     """Every node of the op domain has only the attributes its op declares, each of the declared type (an int where
     a float is declared is taken at its value). The library checks types and ranges itself, but onnxruntime's C API
@@ -367,6 +415,7 @@ class Session:
             except Exception as e:
                 raise ModelError(f"cannot load {self.model_path}: {_last_line(e)}") from None
         _check_against_graph(self.meta, self.session, self.model_path)
+        read_ahead(sparse_weight_ranges(self.model_path))
         self.threads = so.intra_op_num_threads
         self._tokenizer = _NOT_LOADED
 
