@@ -80,3 +80,16 @@ def test_stages_that_do_not_cover_the_layers_are_refused(exports, tmp_path, laye
     (d / "dsv4_ort.json").write_text(json.dumps(meta))
     with pytest.raises(ModelError, match=f"corrupt: stages .*{why}"):
         read_pipeline_metadata(d)
+
+
+def test_only_the_first_stage_reads_the_embedding_ahead(exports):
+    """The embedding lives in the first stage's data file; that range, and nothing of a later stage, is advised."""
+    from dsv4_ort.runtime.session import sparse_weight_ranges
+
+    meta = read_pipeline_metadata(exports[2])
+    stages = meta["pipeline"]["stages"]
+    ranges = [sparse_weight_ranges(exports[2] / s["model_file"]) for s in stages]
+    assert [len(r) for r in ranges] == [1, 0]
+    (path, offset, length), = ranges[0]
+    assert path == exports[2] / stages[0]["data_file"] and offset + length <= path.stat().st_size
+    assert sparse_weight_ranges(exports[1] / "model.onnx")[0][2] == length  # the single graph's embedding

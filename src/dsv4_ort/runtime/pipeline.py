@@ -52,7 +52,7 @@ import numpy as np
 from ..export.files import META_FILE, read_export_trailer
 from .sampling import check_count
 from .session import (_NOT_LOADED, ModelError, Session, _check_node_attributes, _forward_ids, _last_line,
-                      load_metadata_file, physical_cores)
+                      load_metadata_file, physical_cores, read_ahead, sparse_weight_ranges)
 from .state import STATE_TYPES, State
 
 BACKENDS = ("local", "ray")
@@ -172,6 +172,7 @@ class StageRunner:
             except Exception as e:  # noqa: BLE001 - reported as a model error naming the file
                 raise ModelError(f"cannot load {self.model_path}: {_last_line(e)}") from None
         self._check_graph(meta)
+        read_ahead(sparse_weight_ranges(self.model_path))  # the first stage's embedding
         self.threads = threads
         self.states: dict = {}  # key -> State of this stage's layers
         self.views: dict = {}  # (key, start, stop) -> row view of that State, bound once
