@@ -295,8 +295,8 @@ bool FoldsFp8(ActType act, const WeightView& w) {
 // there) and FP4 rows (16 bytes per product: one accumulator chain per row is latency-bound) measured no faster
 // one row at a time and keep the four.
 template <int MR, bool kBf16Act>
-void DotFp8Rows(const WeightView& w, const int64_t* rows, const void* x, int64_t xs, float res[][4]) {
-  if (MR <= 2 && FoldsFp8(kBf16Act ? ActType::kBf16 : ActType::kF32, w)) {
+void DotFp8Rows(const WeightView& w, const int64_t* rows, const void* x, int64_t xs, float res[][4], bool fold) {
+  if (MR <= 2 && fold && FoldsFp8(kBf16Act ? ActType::kBf16 : ActType::kF32, w)) {
     if (kBf16Act && !w.prefetch) {
       for (int q = 0; q < 4; ++q) DotFp8Finite<MR, 1, kBf16Act, MR <= 2>(w, rows + q, x, xs, res, q);
     } else {
@@ -307,8 +307,10 @@ void DotFp8Rows(const WeightView& w, const int64_t* rows, const void* x, int64_t
   }
 }
 
+// fold: whether one or two activation rows may take the folded FP8 loop (off: every group sums as the scratch path).
 template <int MR>
-void DotFused(ActType act, const WeightView& w, const int64_t* rows, const void* x, int64_t xs, float res[][4]) {
+void DotFused(ActType act, const WeightView& w, const int64_t* rows, const void* x, int64_t xs, float res[][4],
+              bool fold) {
   if (w.format == WeightFormat::kFp4E2M1) {
     Fp4Rows src;
     src.row_bytes = w.cols / 2;
@@ -322,9 +324,9 @@ void DotFused(ActType act, const WeightView& w, const int64_t* rows, const void*
       DotFp4F32<MR>(src, w.cols, static_cast<const float*>(x), xs, res);
     }
   } else if (act == ActType::kBf16) {
-    DotFp8Rows<MR, true>(w, rows, x, xs, res);
+    DotFp8Rows<MR, true>(w, rows, x, xs, res, fold);
   } else {
-    DotFp8Rows<MR, false>(w, rows, x, xs, res);
+    DotFp8Rows<MR, false>(w, rows, x, xs, res, fold);
   }
 }
 
@@ -334,18 +336,32 @@ void DotFused(ActType act, const WeightView& w, const int64_t* rows, const void*
 // up to that many rows, two activation rows at a time, so that each row sums as it does alone.
 bool InvariantFold(ActType act, const WeightView& w, int64_t m) { return m <= w.invariant_rows && FoldsFp8(act, w); }
 
+// FP8 rows against five to eight fp32 activation rows where the plan leaves the rows to the hardware prefetchers
+// (AMD Zen 4): the in-register decode in two groups of four (RowsFused; the second group reads the four weight rows
+// from L1 / L2) instead of decoding them into fp32 scratch. AMD EPYC family 0x19 model 0x11, bench preset, 8-row
+// fp32 decode, interleaved builds: LinearFp8 wq_b 28-30 ms -> 16-17 ms, wo_a 14-15 -> 8-11, the step 163-171 ms ->
+// 126-133; 5 and 6 rows: wq_b 18.6-19 ms -> 12-16. With bf16 products the same change was slower there (the
+// scratch rows are bf16, half the bytes); at 16 rows it gained nothing. Not measured on Intel, which keeps the
+// scratch path.
+bool FusedFp32Groups(ActType act, const WeightView& w, int64_t m) {
+  return act == ActType::kF32 && w.format == WeightFormat::kFp8E4M3 && !w.prefetch && m <= 8;
+}
+
 // True when rows() decodes in registers (the decode path of FP8 / FP4 weights).
 bool FusedDecode(ActType act, const WeightView& w, int64_t m) {
   if (w.format != WeightFormat::kFp4E2M1 && w.format != WeightFormat::kFp8E4M3) return false;
-  return m <= 4 || InvariantFold(act, w, m);
+  return m <= 4 || InvariantFold(act, w, m) || FusedFp32Groups(act, w, m);
 }
 
 void RowsFused(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n0, int64_t n1, const MatOut& out) {
   const int64_t kp = Pad32(w.cols);
   const size_t row_bytes = static_cast<size_t>(kp) * (act == ActType::kF32 ? sizeof(float) : sizeof(uint16_t));
-  // Activation rows per inner call: all (at most four), or two under batch invariance. The group loop is inside the
-  // weight-row loop, so four weight rows stay in L1 / L2 while every group reads them.
-  const int64_t group = InvariantFold(act, w, m) && m > 2 ? 2 : m;
+  // Activation rows per inner call: all (at most four), two under batch invariance, four for FusedFp32Groups. The
+  // group loop is inside the weight-row loop, so four weight rows stay in L1 / L2 while every group reads them.
+  const int64_t group = InvariantFold(act, w, m) && m > 2 ? 2 : m > 4 ? 4 : m;
+  // FusedFp32Groups stands in for the scratch path: no folded group, so every output sums as it would there and
+  // the result does not depend on the plan's prefetch setting (bit for bit).
+  const bool fold = m <= 4 || InvariantFold(act, w, m);
   for (int64_t r0 = n0; r0 < n1; r0 += 4) {
     int64_t rows[4];
     for (int q = 0; q < 4; ++q) rows[q] = r0 + q < n1 ? r0 + q : n1 - 1;
@@ -354,10 +370,10 @@ void RowsFused(ActType act, const void* xp, int64_t m, const WeightView& w, int6
       const void* x = static_cast<const uint8_t*>(xp) + static_cast<size_t>(i0) * row_bytes;
       float res[4][4];
       switch (mr) {
-        case 1: DotFused<1>(act, w, rows, x, kp, res); break;
-        case 2: DotFused<2>(act, w, rows, x, kp, res); break;
-        case 3: DotFused<3>(act, w, rows, x, kp, res); break;
-        default: DotFused<4>(act, w, rows, x, kp, res); break;
+        case 1: DotFused<1>(act, w, rows, x, kp, res, fold); break;
+        case 2: DotFused<2>(act, w, rows, x, kp, res, fold); break;
+        case 3: DotFused<3>(act, w, rows, x, kp, res, fold); break;
+        default: DotFused<4>(act, w, rows, x, kp, res, fold); break;
       }
       StoreResults(out, i0, mr, r0 - n0, n1 - r0 < 4 ? n1 - r0 : 4, res);
     }

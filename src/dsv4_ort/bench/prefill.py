@@ -27,6 +27,7 @@ TTFT = (8192, 16384)
 CHUNK = 2048
 BATCHES = (1, 2, 4, 8, 16, 32)
 DECODE_CONTEXT = 256
+DECODE_STEPS = 9  # timed steps per batch size (median); with five one run showed fp32 B=4 at 39.5 tok/s, the run before 57.4
 SMOKE = {"prefill": (16, 64), "ttft": (128,), "chunk": 32, "batches": (1, 2, 4), "max_seq_len": 256,
          "decode_context": 64}
 
@@ -192,7 +193,7 @@ def run(preset: str = "bench", *, threads: int = 2, smoke: bool = False, baselin
             chunked = min(_prefill_seconds(sess, S, chunk, 1, rng))
             m["ttft"].append({"tokens": S, "one_call_s": one, "chunked_s": chunked, "chunked_vs_one": chunked / one})
             log(f"    TTFT {S:>5}: one call {one:.2f} s, chunks of {chunk} {chunked:.2f} s")
-        m["decode"] = batched_decode(sess, batches, context, 3 if smoke else 5, rng)
+        m["decode"] = batched_decode(sess, batches, context, 3 if smoke else DECODE_STEPS, rng)
         log("    batched decode tokens/s: " + ", ".join(f"B={r['batch']} {r['tokens_per_s']:.1f}" for r in m["decode"]))
         result["modes"][mode] = m
         del sess

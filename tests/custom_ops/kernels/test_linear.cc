@@ -559,8 +559,8 @@ void TestFp8CodesExact(const Variant& v) {
   }
   w.scale = {127, 120};  // 1 and 2^-7, per 128-column block
   for (ActType act : {ActType::kF32, ActType::kBf16}) {
-    for (int64_t m : {1, 2, 3, 4, 5}) {
-      for (bool prefetch : {true, false}) {  // the plan's two row orders (DotFp8Rows)
+    for (int64_t m : {1, 2, 3, 4, 5, 6, 8}) {
+      for (bool prefetch : {true, false}) {  // the plan's two row orders (DotFp8Rows), 5-8 fp32 rows' two paths
         Problem p{act, m, 1, w, {}, {}};
         p.w.view.data = p.w.data.data();
         p.w.view.scale = p.w.scale.data();
@@ -594,7 +594,7 @@ void TestPrefetchOff(const Variant& v) {
   const dsv4_test::ThreadParallel threads(2);
   for (ActType act : {ActType::kF32, ActType::kBf16}) {
     for (Fmt fmt : kFormats) {
-      for (int64_t m : {1, 3, 4, 5, 16, 17}) {
+      for (int64_t m : {1, 3, 4, 5, 6, 8, 9, 16, 17}) {  // 5-8: FP8 with fp32 x in register groups when off
         Problem on = MakeProblem(rng, act, fmt, m, 37, fmt == Fmt::kFp4 ? 288 : 299, 1, 32);
         Problem off = on;
         off.w.view.data = off.w.data.data();
