@@ -24,9 +24,9 @@ constexpr int64_t kPrefetchFp8 = 2048;
 // consecutive rows side by side. Past the row's end that is the same offset in the row four rows on (the row the
 // next group reads; the next row is already being read). Prefetches do not fault, so the address may lie past the
 // matrix.
-const char* PrefetchTarget(const uint8_t* row, int64_t at, int64_t row_bytes, int64_t ahead) {
+const char* PrefetchTarget(const uint8_t* row, int64_t at, int64_t row_bytes, int64_t ahead, int64_t side = 4) {
   const int64_t t = at + ahead;
-  return reinterpret_cast<const char*>(row + (t < row_bytes ? t : t + 3 * row_bytes));
+  return reinterpret_cast<const char*>(row + (t < row_bytes ? t : t + (side - 1) * row_bytes));
 }
 
 // Four FP4 rows; column chunk c (32 values) of row q.
@@ -202,7 +202,7 @@ void DotFp8(const WeightView& w, const int64_t* rows, const void* xv, int64_t xs
       __m512 lo[4], hi[4];
       __m512bh direct[4];
       for (int q = 0; q < NQ; ++q) {
-        if (NQ == 4 && (k & 63) == 0) _mm_prefetch(PrefetchTarget(src[q], k, kw, kPrefetchFp8), _MM_HINT_T0);
+        if (NQ > 1 && (k & 63) == 0) _mm_prefetch(PrefetchTarget(src[q], k, kw, kPrefetchFp8, NQ), _MM_HINT_T0);
         const __m256i codes = valid >= 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[q] + k))
                                           : _mm256_maskz_loadu_epi8(Mask32(valid), src[q] + k);
         if constexpr (!kFinite) nan_seen = Fp8NanBytes(nan_seen, codes);
@@ -284,24 +284,47 @@ bool FoldsFp8(ActType act, const WeightView& w) {
   return w.format == WeightFormat::kFp8E4M3 && (act == ActType::kF32 || w.scale_format == ScaleFormat::kE8M0);
 }
 
-// Four FP8 rows against MR activation rows. Folded (FoldsFp8) for up to two activation rows, where the block and
-// total accumulators fit the registers; three or four rows scale each chunk instead (measured faster than folding
-// two weight rows at a time), which sums in another order: batch invariance (RowsFused) keeps to groups of two.
-// Folded bf16 products decode so cheaply (Fp8ToBf16) that the access order sets the speed: where the plan leaves
-// the rows to the hardware prefetchers (WeightView::prefetch off: AMD Zen 4) the four rows are read one after the
-// other, one sequential stream, instead of side by side with software prefetch. On an AMD EPYC (family 0x19 model
-// 0x11, two cores, Flash wq_a 1024 x 4096, M = 1, weights from DRAM) that read 27-31 GB/s against 20-22 side by
-// side, with a 2-thread stream read at 33-35 GB/s in the same runs. fp32 products (the fp16 route, decode-bound
-// there) and FP4 rows (16 bytes per product: one accumulator chain per row is latency-bound) measured no faster
-// one row at a time and keep the four.
+// bf16 products with E8M0 scales: the codes go straight to bf16 (Fp8ToBf16) and every activation row count up to
+// four folds, with one accumulator sequence for all of them (so a row sums alike whatever runs beside it).
+bool FoldsAllRows(ActType act, const WeightView& w) {
+  return act == ActType::kBf16 && w.format == WeightFormat::kFp8E4M3 && w.scale_format == ScaleFormat::kE8M0;
+}
+
+// Largest MR x cols bf16 activation block that one-row-at-a-time reading (below) keeps to; past it the weight stream
+// pushes the activations out of L1 and each 32 codes wait on an L2 read.
+constexpr int64_t kFp8OneRowXBytes = 8192;
+
+// Four FP8 rows against MR activation rows. How the weight rows are walked does not change any accumulator's
+// operation sequence, only the speed:
+//   bf16 products, E8M0 (FoldsAllRows): folded for every MR. Where the plan leaves the rows to the hardware
+//     prefetchers (WeightView::prefetch off: AMD Zen 4) one or two activation rows read the four weight rows one
+//     after the other (one sequential stream) while the activations fit kFp8OneRowXBytes; otherwise four rows side
+//     by side (MR <= 2) or two (MR 3-4, where four would need 2 x 16 accumulators), with software prefetch.
+//     AMD EPYC family 0x19 model 0x11, two cores, weights from DRAM, median of interleaved runs:
+//       Flash wq_a 1024 x 4096, M = 1: 27-31 GB/s one row at a time against 20-22 side by side;
+//       M = 2 (16 KiB of activations): side by side 190 us, one row at a time 265 us;
+//       Flash wo_b 4096 x 8192, M = 1: side by side 1170-1260 us, one row at a time 1540-1600 us;
+//       M = 3 / 4 against the chunk-scaled loop this replaced (fp16 route, four rows): Flash wq_a 195-205 / 225-260
+//       us against 330-390 / 320-415, Flash wo_b 1430-1580 / 1570-1600 against 1950-2380 / 2300-2365; one row at a
+//       time there was slower again (bench-preset wq_b 8192 x 512, M = 4: 1460 us against 1020).
+//   fp32 products: folded for up to two activation rows, where the block and total accumulators fit the registers;
+//     three or four scale each chunk instead, which sums in another order: batch invariance (RowsFused) keeps fp32
+//     activations to groups of two. Always four rows side by side: the fp16 route is decode-bound on Zen 4 and one
+//     row at a time measured no faster. FP4 rows (linear rows, 16 bytes per product) keep four too: one accumulator
+//     chain per row is latency-bound there.
 template <int MR, bool kBf16Act>
 void DotFp8Rows(const WeightView& w, const int64_t* rows, const void* x, int64_t xs, float res[][4], bool fold) {
-  if (MR <= 2 && fold && FoldsFp8(kBf16Act ? ActType::kBf16 : ActType::kF32, w)) {
-    if (kBf16Act && !w.prefetch) {
-      for (int q = 0; q < 4; ++q) DotFp8Finite<MR, 1, kBf16Act, MR <= 2>(w, rows + q, x, xs, res, q);
+  const ActType act = kBf16Act ? ActType::kBf16 : ActType::kF32;
+  if (kBf16Act && fold && FoldsAllRows(act, w)) {
+    if (MR <= 2 && !w.prefetch && MR * w.cols * static_cast<int64_t>(sizeof(uint16_t)) <= kFp8OneRowXBytes) {
+      for (int q = 0; q < 4; ++q) DotFp8Finite<MR, 1, kBf16Act, true>(w, rows + q, x, xs, res, q);
+    } else if (MR <= 2) {
+      DotFp8Finite<MR, 4, kBf16Act, true>(w, rows, x, xs, res, 0);
     } else {
-      DotFp8Finite<MR, 4, kBf16Act, MR <= 2>(w, rows, x, xs, res, 0);
+      for (int q = 0; q < 4; q += 2) DotFp8Finite<MR, 2, kBf16Act, true>(w, rows + q, x, xs, res, q);
     }
+  } else if (MR <= 2 && fold && FoldsFp8(act, w)) {
+    DotFp8Finite<MR, 4, kBf16Act, MR <= 2>(w, rows, x, xs, res, 0);
   } else {
     DotFp8Finite<MR, 4, kBf16Act, false>(w, rows, x, xs, res, 0);
   }
@@ -333,7 +356,8 @@ void DotFused(ActType act, const WeightView& w, const int64_t* rows, const void*
 }  // namespace
 
 // Folded FP8 rows under batch invariance (WeightView::invariant_rows): the in-register decode for every call of
-// up to that many rows, two activation rows at a time, so that each row sums as it does alone.
+// up to that many rows, in groups that fold (two activation rows, four with FoldsAllRows), so that each row sums as
+// it does alone.
 bool InvariantFold(ActType act, const WeightView& w, int64_t m) { return m <= w.invariant_rows && FoldsFp8(act, w); }
 
 // FP8 rows against five to eight fp32 activation rows where the plan leaves the rows to the hardware prefetchers
@@ -356,9 +380,10 @@ bool FusedDecode(ActType act, const WeightView& w, int64_t m) {
 void RowsFused(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n0, int64_t n1, const MatOut& out) {
   const int64_t kp = Pad32(w.cols);
   const size_t row_bytes = static_cast<size_t>(kp) * (act == ActType::kF32 ? sizeof(float) : sizeof(uint16_t));
-  // Activation rows per inner call: all (at most four), two under batch invariance, four for FusedFp32Groups. The
-  // group loop is inside the weight-row loop, so four weight rows stay in L1 / L2 while every group reads them.
-  const int64_t group = InvariantFold(act, w, m) && m > 2 ? 2 : m > 4 ? 4 : m;
+  // Activation rows per inner call: all (at most four), two under batch invariance where only two fold, four for
+  // FusedFp32Groups. The group loop is inside the weight-row loop, so four weight rows stay in L1 / L2 while every
+  // group reads them.
+  const int64_t group = InvariantFold(act, w, m) && m > 2 && !FoldsAllRows(act, w) ? 2 : m > 4 ? 4 : m;
   // FusedFp32Groups stands in for the scratch path: no folded group, so every output sums as it would there and
   // the result does not depend on the plan's prefetch setting (bit for bit).
   const bool fold = m <= 4 || InvariantFold(act, w, m);

@@ -9,7 +9,8 @@
 //                      16-bit shift, the odd ones by a mask, so the activations are prepared as [16 even columns,
 //                      16 odd columns] per chunk and each chunk takes two FMAs; fp32 weight rows take one FMA per
 //                      16 columns against activations as stored.
-// bf16 and fp32 weights are read in place. Other rows are decoded into scratch first, four at a time when there
+// bf16 and fp32 weights are read in place (bf16 rows one at a time where the plan turns the software prefetch off and
+// the activations are small: OneRow). Other rows are decoded into scratch first, four at a time when there
 // are at most four activation rows (the decode path: each weight byte read once, the scratch stays in L1/L2) and
 // 64 at a time otherwise (decoded once, reused for every group of four activation rows); the FP8 / FP4 decoding is
 // described in linear_common_avx512.inc. FP8 / FP4 weights against at most four activation rows take the
@@ -138,49 +139,50 @@ void DecodeRowsF32(const WeightView& w, int64_t n0, int64_t rows, int64_t kp, fl
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Inner loops: res[i][q] = sum_k x_i[k] * w_q[k] for 4 weight rows and MR activation rows.
+// Inner loops: res[i][q0 + q] = sum_k x_i[k] * w_q[k] for NQ weight rows (4, or 1: OneRow) and MR activation rows;
+// an accumulator's operation sequence does not depend on NQ.
 
-template <int MR>
-void DotBf16(const uint16_t* const* w, int64_t kw, const uint16_t* x, int64_t xs, bool prefetch, float res[][4]) {
+template <int MR, int NQ = 4>
+void DotBf16(const uint16_t* const* w, int64_t kw, const uint16_t* x, int64_t xs, bool prefetch, float res[][4], int q0 = 0) {
   __m512 acc[MR][4];
   for (int i = 0; i < MR; ++i)
-    for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_setzero_ps();
+    for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 32 <= kw; k += 32) {
     __m512bh a[4];
-    for (int q = 0; q < 4; ++q) {
+    for (int q = 0; q < NQ; ++q) {
       if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w[q] + k) + kPrefetchBytes, _MM_HINT_T0);
       a[q] = AsBh(_mm512_loadu_si512(w[q] + k));
     }
     for (int i = 0; i < MR; ++i) {
       const __m512bh xv = AsBh(_mm512_loadu_si512(x + i * xs + k));
-      for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], a[q], xv);
+      for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], a[q], xv);
     }
   }
   if (k < kw) {
     const __mmask32 mask = Mask32(kw - k);
     __m512bh a[4];
-    for (int q = 0; q < 4; ++q) a[q] = AsBh(_mm512_maskz_loadu_epi16(mask, w[q] + k));
+    for (int q = 0; q < NQ; ++q) a[q] = AsBh(_mm512_maskz_loadu_epi16(mask, w[q] + k));
     for (int i = 0; i < MR; ++i) {
       const __m512bh xv = AsBh(_mm512_loadu_si512(x + i * xs + k));
-      for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], a[q], xv);
+      for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], a[q], xv);
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int q = 0; q < 4; ++q) res[i][q] = Hsum(acc[i][q]);
+    for (int q = 0; q < NQ; ++q) res[i][q0 + q] = Hsum(acc[i][q]);
 }
 
 // fp32 activations in [even, odd] chunk layout against bf16 rows.
-template <int MR>
-void DotF32Bf16(const uint16_t* const* w, int64_t kw, const float* x, int64_t xs, bool prefetch, float res[][4]) {
+template <int MR, int NQ = 4>
+void DotF32Bf16(const uint16_t* const* w, int64_t kw, const float* x, int64_t xs, bool prefetch, float res[][4], int q0 = 0) {
   __m512 acc[MR][4];
   for (int i = 0; i < MR; ++i)
-    for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_setzero_ps();
+    for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_setzero_ps();
   const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t k = 0; k < kw; k += 32) {
     const __mmask32 mask = Mask32(kw - k);
     __m512 we[4], wo[4];
-    for (int q = 0; q < 4; ++q) {
+    for (int q = 0; q < NQ; ++q) {
       if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w[q] + k) + kPrefetchBytes, _MM_HINT_T0);
       const __m512i v = _mm512_maskz_loadu_epi16(mask, w[q] + k);
       we[q] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
@@ -188,36 +190,36 @@ void DotF32Bf16(const uint16_t* const* w, int64_t kw, const float* x, int64_t xs
     }
     for (int i = 0; i < MR; ++i) {
       const __m512 xe = _mm512_loadu_ps(x + i * xs + k), xo = _mm512_loadu_ps(x + i * xs + k + 16);
-      for (int q = 0; q < 4; ++q) {
+      for (int q = 0; q < NQ; ++q) {
         acc[i][q] = _mm512_fmadd_ps(we[q], xe, acc[i][q]);
         acc[i][q] = _mm512_fmadd_ps(wo[q], xo, acc[i][q]);
       }
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int q = 0; q < 4; ++q) res[i][q] = Hsum(acc[i][q]);
+    for (int q = 0; q < NQ; ++q) res[i][q0 + q] = Hsum(acc[i][q]);
 }
 
 // fp32 activations against fp32 rows (both in column order).
-template <int MR>
-void DotF32(const float* const* w, int64_t kw, const float* x, int64_t xs, bool prefetch, float res[][4]) {
+template <int MR, int NQ = 4>
+void DotF32(const float* const* w, int64_t kw, const float* x, int64_t xs, bool prefetch, float res[][4], int q0 = 0) {
   __m512 acc[MR][4];
   for (int i = 0; i < MR; ++i)
-    for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_setzero_ps();
+    for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_setzero_ps();
   for (int64_t k = 0; k < kw; k += 16) {
     const __mmask16 mask = TailMask(kw - k);
     __m512 a[4];
-    for (int q = 0; q < 4; ++q) {
+    for (int q = 0; q < NQ; ++q) {
       if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w[q] + k) + kPrefetchBytes, _MM_HINT_T0);
       a[q] = _mm512_maskz_loadu_ps(mask, w[q] + k);
     }
     for (int i = 0; i < MR; ++i) {
       const __m512 xv = _mm512_loadu_ps(x + i * xs + k);
-      for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_fmadd_ps(a[q], xv, acc[i][q]);
+      for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_fmadd_ps(a[q], xv, acc[i][q]);
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int q = 0; q < 4; ++q) res[i][q] = Hsum(acc[i][q]);
+    for (int q = 0; q < NQ; ++q) res[i][q0 + q] = Hsum(acc[i][q]);
 }
 
 template <class W, class X>
@@ -246,16 +248,63 @@ void Dot(int mr, const W* const* w, int64_t kw, const X* x, int64_t xs, bool pf,
   }
 }
 
+// Largest MR x cols activation block (bytes) for which weight rows read in place go one at a time (OneRow).
+constexpr int64_t kOneRowXBytes = 16384;
+
+// The same products one weight row at a time (one sequential stream of weights), each row's accumulators running
+// exactly the sequence Dot runs for them (results bit-identical). Where the plan leaves the weight rows to the
+// hardware prefetchers (AMD Zen 4) four rows side by side stream slower than one; past kOneRowXBytes the activations
+// no longer stay in L1 beside the stream. AMD EPYC family 0x19 model 0x11, two cores, bf16 weights from DRAM,
+// median of interleaved runs: bench-preset head slice 16384 x 2048, fp32 activations M = 1 / 2: 2180 / 2580 us
+// against 2700 / 2900 side by side; bf16 activations M = 2 / 3 / 4: 2090 / 2120 / 2700 against 2630 / 2890 /
+// 3050; Flash head slice 16384 x 4096, fp32 M = 1: 4280 against 5030; with 32 KiB of activations (fp32, M = 2)
+// 7450 against 5220. Only calls of at most four activation rows (one pass over the weight rows): eight bf16 rows
+// in two passes of four took 4340 us against 3450 side by side.
+template <class W, class X>
+void OneRow(int mr, const W* const* w, int64_t kw, const X* x, int64_t xs, float res[][4]) {
+  for (int q = 0; q < 4; ++q) {
+    if constexpr (sizeof(W) == 2 && sizeof(X) == 2) {
+      switch (mr) {
+        case 1: DotBf16<1, 1>(w + q, kw, x, xs, false, res, q); break;
+        case 2: DotBf16<2, 1>(w + q, kw, x, xs, false, res, q); break;
+        case 3: DotBf16<3, 1>(w + q, kw, x, xs, false, res, q); break;
+        default: DotBf16<4, 1>(w + q, kw, x, xs, false, res, q); break;
+      }
+    } else if constexpr (sizeof(W) == 2) {
+      switch (mr) {
+        case 1: DotF32Bf16<1, 1>(w + q, kw, x, xs, false, res, q); break;
+        case 2: DotF32Bf16<2, 1>(w + q, kw, x, xs, false, res, q); break;
+        case 3: DotF32Bf16<3, 1>(w + q, kw, x, xs, false, res, q); break;
+        default: DotF32Bf16<4, 1>(w + q, kw, x, xs, false, res, q); break;
+      }
+    } else {
+      switch (mr) {
+        case 1: DotF32<1, 1>(w + q, kw, x, xs, false, res, q); break;
+        case 2: DotF32<2, 1>(w + q, kw, x, xs, false, res, q); break;
+        case 3: DotF32<3, 1>(w + q, kw, x, xs, false, res, q); break;
+        default: DotF32<4, 1>(w + q, kw, x, xs, false, res, q); break;
+      }
+    }
+  }
+}
+
+// one_row: weight rows read in place with no software prefetch may go one at a time (OneRow) in calls of at most
+// four activation rows.
 template <class W, class X>
 void RowsBlock(const W* base, int64_t stride, int64_t rows, int64_t kw, const X* x, int64_t xs, int64_t m,
-               const MatOut& out, int64_t col0, bool prefetch) {
+               const MatOut& out, int64_t col0, bool prefetch, bool one_row) {
   for (int64_t m0 = 0; m0 < m; m0 += 4) {
     const int mr = static_cast<int>(m - m0 < 4 ? m - m0 : 4);
+    const bool single = one_row && m <= 4 && mr * kw * static_cast<int64_t>(sizeof(X)) <= kOneRowXBytes;
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
       const W* w[4];
       for (int q = 0; q < 4; ++q) w[q] = base + (r0 + q < rows ? r0 + q : rows - 1) * stride;
       float res[4][4];
-      Dot(mr, w, kw, x + m0 * xs, xs, prefetch, res);
+      if (single) {
+        OneRow(mr, w, kw, x + m0 * xs, xs, res);
+      } else {
+        Dot(mr, w, kw, x + m0 * xs, xs, prefetch, res);
+      }
       StoreResults(out, m0, mr, col0 + r0, rows - r0 < 4 ? rows - r0 : 4, res);
     }
   }
@@ -337,23 +386,25 @@ void Rows(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n
           base = static_cast<const uint16_t*>(scratch);
           stride = kp;
         }
-        // rows decoded into scratch are in L1 / L2: only weights read in place are prefetched
+        // rows decoded into scratch are in L1 / L2: only weights read in place are prefetched, or else read one row
+        // at a time
         const bool prefetch = kind == RowKind::kBf16Direct && w.prefetch;
+        const bool one_row = kind == RowKind::kBf16Direct && !w.prefetch;
         if (act == ActType::kBf16) {
-          RowsBlock(base, stride, rows, kw, static_cast<const uint16_t*>(xp), kp, m, out, col0, prefetch);
+          RowsBlock(base, stride, rows, kw, static_cast<const uint16_t*>(xp), kp, m, out, col0, prefetch, one_row);
         } else {
-          RowsBlock(base, stride, rows, kw, static_cast<const float*>(xp), kp, m, out, col0, prefetch);
+          RowsBlock(base, stride, rows, kw, static_cast<const float*>(xp), kp, m, out, col0, prefetch, one_row);
         }
         break;
       }
       case RowKind::kF32Direct:
         RowsBlock(static_cast<const float*>(w.data) + b0 * kw, kw, rows, kw, static_cast<const float*>(xp), kp, m,
-                  out, col0, w.prefetch);
+                  out, col0, w.prefetch, false);
         break;
       case RowKind::kF32Decoded:
         DecodeRowsF32(w, b0, rows, kp, static_cast<float*>(scratch));
         RowsBlock(static_cast<const float*>(scratch), kp, rows, kw, static_cast<const float*>(xp), kp, m, out, col0,
-                  false);
+                  false, false);
         break;
     }
   }

@@ -19,6 +19,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "custom_ops/kernels/linear.h"
@@ -505,8 +506,9 @@ void TestBatchInvariant(const Variant& v, ActType act, Fmt fmt) {
   struct Shape {
     int64_t n, kw, groups, block;
   };
+  // 3000 columns: one activation row reads the weight rows one at a time where two do not (OneRow, DotFp8Rows)
   for (const Shape& s : {Shape{70, fp4 ? 320 : 300, 1, 32}, Shape{256, 256, 1, 128}, Shape{128, 64, 4, 128},
-                         Shape{64, 1024, 1, 128}}) {
+                         Shape{64, 1024, 1, 128}, Shape{24, fp4 ? 3008 : 3000, 1, 128}}) {
     Problem all = MakeProblem(rng, act, fmt, kBound, s.n, s.kw, s.groups, s.block);
     all.w.view.invariant_rows = kBound;
     const int64_t n = all.w.view.rows, k = all.w.view.cols * all.groups;
@@ -594,8 +596,13 @@ void TestPrefetchOff(const Variant& v) {
   const dsv4_test::ThreadParallel threads(2);
   for (ActType act : {ActType::kF32, ActType::kBf16}) {
     for (Fmt fmt : kFormats) {
-      for (int64_t m : {1, 3, 4, 5, 6, 8, 9, 16, 17}) {  // 5-8: FP8 with fp32 x in register groups when off
-        Problem on = MakeProblem(rng, act, fmt, m, 37, fmt == Fmt::kFp4 ? 288 : 299, 1, 32);
+      // 5-8: FP8 with fp32 x in register groups when off; 3000 columns: bf16 rows and folded FP8 rows with bf16 x
+      // go one weight row at a time for one activation row but not for all row counts (kOneRowXBytes,
+      // kFp8OneRowXBytes)
+      for (const auto& [m, kw] : std::vector<std::pair<int64_t, int64_t>>{
+               {1, 299}, {3, 299}, {4, 299}, {5, 299}, {6, 299}, {8, 299}, {9, 299}, {16, 299}, {17, 299},
+               {1, 3000}, {2, 3000}, {3, 3000}, {4, 3000}, {5, 3000}}) {
+        Problem on = MakeProblem(rng, act, fmt, m, 37, fmt == Fmt::kFp4 ? (kw == 299 ? 288 : 3008) : kw, 1, 32);
         Problem off = on;
         off.w.view.data = off.w.data.data();
         off.w.view.scale = off.w.scale.empty() ? nullptr : off.w.scale.data();
