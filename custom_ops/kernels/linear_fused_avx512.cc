@@ -56,8 +56,7 @@ void DotFp4Bf16(const Fp4Rows& w, int64_t kw, const uint16_t* x, int64_t xs, flo
       for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], a[q], xv);
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int q = 0; q < 4; ++q) res[i][q] = Hsum(acc[i][q]);
+  StoreSums<MR, 4>(acc, res, 0);
 }
 
 // fp32 activations in [even, odd] layout; same sequence as DotF32Bf16 (even FMA, then odd FMA, per chunk).
@@ -80,8 +79,7 @@ void DotFp4F32(const Fp4Rows& w, int64_t kw, const float* x, int64_t xs, float r
       }
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int q = 0; q < 4; ++q) res[i][q] = Hsum(acc[i][q]);
+  StoreSums<MR, 4>(acc, res, 0);
 }
 
 // E8M0 byte e -> e - 127 + 8 as a float: the VSCALEFPS exponent that turns code * 2^-8 into code * 2^(e - 127).
@@ -257,8 +255,7 @@ void DotFp8(const WeightView& w, const int64_t* rows, const void* xv, int64_t xs
       }
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int q = 0; q < NQ; ++q) res[i][q0 + q] = Hsum(acc[i][q]);
+  StoreSums<MR, NQ>(acc, res, q0);
   if constexpr (!kFinite) {
     if (Fp8SawNan(nan_seen)) {
       for (int q = 0; q < NQ; ++q) {

@@ -168,8 +168,7 @@ void DotBf16(const uint16_t* const* w, int64_t kw, const uint16_t* x, int64_t xs
       for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], a[q], xv);
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int q = 0; q < NQ; ++q) res[i][q0 + q] = Hsum(acc[i][q]);
+  StoreSums<MR, NQ>(acc, res, q0);
 }
 
 // fp32 activations in [even, odd] chunk layout against bf16 rows.
@@ -196,8 +195,7 @@ void DotF32Bf16(const uint16_t* const* w, int64_t kw, const float* x, int64_t xs
       }
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int q = 0; q < NQ; ++q) res[i][q0 + q] = Hsum(acc[i][q]);
+  StoreSums<MR, NQ>(acc, res, q0);
 }
 
 // fp32 activations against fp32 rows (both in column order).
@@ -218,8 +216,7 @@ void DotF32(const float* const* w, int64_t kw, const float* x, int64_t xs, bool 
       for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_fmadd_ps(a[q], xv, acc[i][q]);
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int q = 0; q < NQ; ++q) res[i][q0 + q] = Hsum(acc[i][q]);
+  StoreSums<MR, NQ>(acc, res, q0);
 }
 
 template <class W, class X>
