@@ -364,6 +364,16 @@ bool InvariantFold(ActType act, const WeightView& w, int64_t m) { return m <= w.
 // 126-133; 5 and 6 rows: wq_b 18.6-19 ms -> 12-16. With bf16 products the same change was slower there (the
 // scratch rows are bf16, half the bytes); at 16 rows it gained nothing. Not measured on Intel, which keeps the
 // scratch path.
+// FP8 rows with bf16 products and E8M0 scales (FoldsAllRows) against five to eight activation rows: the folded
+// in-register decode in two groups of four (the second group reads the four weight rows from L1 / L2) instead of
+// decoding the rows into bf16 scratch by the fp16 route; every row sums as it does alone. AMD EPYC family 0x19 model
+// 0x11, two cores, bench-preset shapes, weights from DRAM, interleaved medians, 5 / 8 rows: wo_a (8 groups of
+// 256 x 4096) 918 / 1020 us -> 729 / 967, wo_b 2048 x 2048 409 / 470 -> 359 / 416, wq_a 512 x 2048 116 / 132 ->
+// 101 / 126, wq_b 8192 x 512 equal (1586 / 1927 -> 1574 / 1908); one pass of all eight rows against one weight row
+// at a time was slower (wq_b, 8 rows: 2740); at 12 and 16 rows the scratch path stays faster (wo_b 16 rows: 646
+// against 833). Not measured on Intel, where it runs too (the results must not depend on the plan's prefetch).
+bool FusedBf16Groups(ActType act, const WeightView& w, int64_t m) { return FoldsAllRows(act, w) && m <= 8; }
+
 bool FusedFp32Groups(ActType act, const WeightView& w, int64_t m) {
   return act == ActType::kF32 && w.format == WeightFormat::kFp8E4M3 && !w.prefetch && m <= 8;
 }
@@ -371,19 +381,19 @@ bool FusedFp32Groups(ActType act, const WeightView& w, int64_t m) {
 // True when rows() decodes in registers (the decode path of FP8 / FP4 weights).
 bool FusedDecode(ActType act, const WeightView& w, int64_t m) {
   if (w.format != WeightFormat::kFp4E2M1 && w.format != WeightFormat::kFp8E4M3) return false;
-  return m <= 4 || InvariantFold(act, w, m) || FusedFp32Groups(act, w, m);
+  return m <= 4 || InvariantFold(act, w, m) || FusedFp32Groups(act, w, m) || FusedBf16Groups(act, w, m);
 }
 
 void RowsFused(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n0, int64_t n1, const MatOut& out) {
   const int64_t kp = Pad32(w.cols);
   const size_t row_bytes = static_cast<size_t>(kp) * (act == ActType::kF32 ? sizeof(float) : sizeof(uint16_t));
   // Activation rows per inner call: all (at most four), two under batch invariance where only two fold, four for
-  // FusedFp32Groups. The group loop is inside the weight-row loop, so four weight rows stay in L1 / L2 while every
-  // group reads them.
+  // FusedFp32Groups and FusedBf16Groups. The group loop is inside the weight-row loop, so four weight rows stay in
+  // L1 / L2 while every group reads them.
   const int64_t group = InvariantFold(act, w, m) && m > 2 && !FoldsAllRows(act, w) ? 2 : m > 4 ? 4 : m;
   // FusedFp32Groups stands in for the scratch path: no folded group, so every output sums as it would there and
-  // the result does not depend on the plan's prefetch setting (bit for bit).
-  const bool fold = m <= 4 || InvariantFold(act, w, m);
+  // the result does not depend on the plan's prefetch setting (bit for bit). FusedBf16Groups folds, on every plan.
+  const bool fold = m <= 4 || InvariantFold(act, w, m) || FusedBf16Groups(act, w, m);
   for (int64_t r0 = n0; r0 < n1; r0 += 4) {
     int64_t rows[4];
     for (int q = 0; q < 4; ++q) rows[q] = r0 + q < n1 ? r0 + q : n1 - 1;
