@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from .machine import LoadMeter
-from .timing import Timing, fmt_time
+from .timing import Timing, fmt_time, warm_page_cache
 
 CONTEXT_HEADROOM = 128  # positions kept free after the largest context for the measured decode steps
 # One export per preset serves every mode: capacity for the full suite's largest context.
@@ -295,6 +295,7 @@ def _stats(samples, units=1, meter=None, truncated=False) -> dict:
 def run_ours(model_dir: Path, *, cap: str, levels: dict, caps: list, threads: int, settings: dict, limits: dict,
              deadline: float, log) -> tuple:
     """Prefill and decode records for one ISA group, and the bytes accounting of each decode configuration."""
+    warm_page_cache(model_dir)
     meta_runner = OursRunner(model_dir, threads=threads, isa=cap)
     sess = meta_runner.sess
     meta = sess.meta

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .timing import warm_page_cache
+
 MODES = ("fp32", "bf16")
 PREFILL = (128, 1024, 8192)
 TTFT = (8192, 16384)
@@ -176,6 +178,7 @@ def run(preset: str = "bench", *, threads: int = 2, smoke: bool = False, baselin
               "roofs_gflops": roofs, "modes": {}}
     for mode in MODES:
         model_dir = export(preset, mode, max_seq_len, log)
+        warm_page_cache(model_dir)
         sess = Session(model_dir, intra_op_threads=threads)
         sess.forward(rng.integers(0, sess.vocab_size, (1, 8)), sess.new_state(1))  # warm-up
         log(f"prefill: compute {mode} ({sess.isa})")

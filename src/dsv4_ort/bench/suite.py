@@ -40,9 +40,10 @@ MODES = {
         max_seconds=0.6, max_call_s=1.5, kernel_budget_s=35, ort_baselines=["matmul_fp32", "matmulnbits_int4"],
         torch_dtypes=["float32", "bfloat16"], torch_bf16_groups=["Linear"],
         bw_mb=None, bw_reps=3, peak_seconds=0.04, peak_reps=3,
-        # warm-up steps: the kernel section's buffers push the model's pages out of the page cache, so the first
-        # steps of each context read weights from disk
-        e2e_preset="bench", prefill_tokens=[128], e2e_contexts=[256, 4096], e2e_batches=[1], decode_steps=6,
+        # the model's files are read through before timing (timing.warm_page_cache: the kernel section's buffers
+        # push them out of the page cache); 12 steps, as a noisy neighbour can double a few of them (one run had
+        # 37-76 ms steps of a 40 ms median at context 4096 with 6)
+        e2e_preset="bench", prefill_tokens=[128], e2e_contexts=[256, 4096], e2e_batches=[1], decode_steps=12,
         decode_warmup=3, decode_steps_baseline=2, prefill_reps=2, max_prefill_s=12, max_decode_s=10,
         e2e_budget_s=90, e2e_baselines=["torch_fp32"], e2e_baseline_contexts=[256], hf_max_context=0),
     "full": dict(
