@@ -23,6 +23,8 @@ import threading
 import time
 from pathlib import Path
 
+from .timing import warm_page_cache
+
 CLIENTS = (1, 4, 16)
 
 
@@ -146,6 +148,7 @@ def run(preset: str = "bench", *, clients=CLIENTS, prompt_tokens: int = 48, max_
         model_dir = export_option(preset, "native", "native", max(256, prompt_tokens + max_tokens + 8), log)
     vocab = json.loads((Path(model_dir) / "dsv4_ort.json").read_text())["config"]["vocab_size"]
     prompt = [2 + (7919 * i) % (vocab - 2) for i in range(prompt_tokens)]
+    warm_page_cache(model_dir)
     server = Server(model_dir, threads=threads, max_batch=max(clients))
     rows = []
     try:
