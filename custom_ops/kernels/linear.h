@@ -64,8 +64,9 @@ struct WeightView {
   // Software prefetch of bf16 / fp32 weight rows read in place by the rows path (up to 16 activation rows; four
   // rows side by side). Set by the ops from the session's plan (FamilyPlan::weight_prefetch): on where the hardware
   // prefetchers alone keep too few lines in flight (measured on an Intel Xeon), off on AMD Zen 4, whose prefetchers
-  // stream those rows faster without it. The FP8 / FP4 decode loops always prefetch (a gain on both). Results do not
-  // depend on it.
+  // stream those rows faster without it (and faster still one row at a time: the AVX512 rows path does that for
+  // calls of up to four rows when this is off). The FP8 / FP4 decode loops always prefetch (a gain on both). Results
+  // do not depend on it.
   bool prefetch = true;
 };
 

@@ -79,8 +79,9 @@ void Rows(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n
 // ---------------------------------------------------------------------------------------------------------------
 // Decode path (linear_fused_avx512.cc), which Rows hands over to.
 
-// True when rows() decodes in registers (the decode path of FP8 / FP4 weights: at most four activation rows, or up
-// to WeightView::invariant_rows for FP8 rows whose scale folds).
+// True when rows() decodes in registers (the decode path of FP8 / FP4 weights: at most four activation rows, up to
+// eight for FP8 rows with bf16 products and E8M0 scales or fp32 products on the Zen 4 plan, or up to
+// WeightView::invariant_rows for FP8 rows whose scale folds).
 bool FusedDecode(ActType act, const WeightView& w, int64_t m);
 // Rows() for FusedDecode(act, w, m): weight rows [n0, n1) against the m prepared activation rows xp (PrepareRows
 // layout, rows Pad32(w.cols) elements apart); needs no scratch.

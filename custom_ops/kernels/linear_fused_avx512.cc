@@ -327,7 +327,7 @@ void DotFp8Rows(const WeightView& w, const int64_t* rows, const void* x, int64_t
   }
 }
 
-// fold: whether one or two activation rows may take the folded FP8 loop (off: every group sums as the scratch path).
+// fold: whether the group may take the folded FP8 loop (off: every group sums as the scratch path).
 template <int MR>
 void DotFused(ActType act, const WeightView& w, const int64_t* rows, const void* x, int64_t xs, float res[][4],
               bool fold) {
