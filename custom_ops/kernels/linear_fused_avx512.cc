@@ -282,7 +282,8 @@ bool FoldsFp8(ActType act, const WeightView& w) {
 }
 
 // bf16 products with E8M0 scales: the codes go straight to bf16 (Fp8ToBf16) and every activation row count up to
-// four folds, with one accumulator sequence for all of them (so a row sums alike whatever runs beside it).
+// eight folds (four per inner call: FusedBf16Groups above four), with one accumulator sequence for all of them (so a
+// row sums alike whatever runs beside it).
 bool FoldsAllRows(ActType act, const WeightView& w) {
   return act == ActType::kBf16 && w.format == WeightFormat::kFp8E4M3 && w.scale_format == ScaleFormat::kE8M0;
 }
@@ -361,9 +362,12 @@ bool InvariantFold(ActType act, const WeightView& w, int64_t m) { return m <= w.
 // (AMD Zen 4): the in-register decode in two groups of four (RowsFused; the second group reads the four weight rows
 // from L1 / L2) instead of decoding them into fp32 scratch. AMD EPYC family 0x19 model 0x11, bench preset, 8-row
 // fp32 decode, interleaved builds: LinearFp8 wq_b 28-30 ms -> 16-17 ms, wo_a 14-15 -> 8-11, the step 163-171 ms ->
-// 126-133; 5 and 6 rows: wq_b 18.6-19 ms -> 12-16. With bf16 products the same change was slower there (the
-// scratch rows are bf16, half the bytes); at 16 rows it gained nothing. Not measured on Intel, which keeps the
-// scratch path.
+// 126-133; 5 and 6 rows: wq_b 18.6-19 ms -> 12-16. At 16 rows it gained nothing. Not measured on Intel, which
+// keeps the scratch path. (bf16 products: FusedBf16Groups.)
+bool FusedFp32Groups(ActType act, const WeightView& w, int64_t m) {
+  return act == ActType::kF32 && w.format == WeightFormat::kFp8E4M3 && !w.prefetch && m <= 8;
+}
+
 // FP8 rows with bf16 products and E8M0 scales (FoldsAllRows) against five to eight activation rows: the folded
 // in-register decode in two groups of four (the second group reads the four weight rows from L1 / L2) instead of
 // decoding the rows into bf16 scratch by the fp16 route; every row sums as it does alone. AMD EPYC family 0x19 model
@@ -373,10 +377,6 @@ bool InvariantFold(ActType act, const WeightView& w, int64_t m) { return m <= w.
 // at a time was slower (wq_b, 8 rows: 2740); at 12 and 16 rows the scratch path stays faster (wo_b 16 rows: 646
 // against 833). Not measured on Intel, where it runs too (the results must not depend on the plan's prefetch).
 bool FusedBf16Groups(ActType act, const WeightView& w, int64_t m) { return FoldsAllRows(act, w) && m <= 8; }
-
-bool FusedFp32Groups(ActType act, const WeightView& w, int64_t m) {
-  return act == ActType::kF32 && w.format == WeightFormat::kFp8E4M3 && !w.prefetch && m <= 8;
-}
 
 // True when rows() decodes in registers (the decode path of FP8 / FP4 weights).
 bool FusedDecode(ActType act, const WeightView& w, int64_t m) {
