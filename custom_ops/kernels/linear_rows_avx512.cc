@@ -10,7 +10,7 @@
 //                      16 odd columns] per chunk and each chunk takes two FMAs; fp32 weight rows take one FMA per
 //                      16 columns against activations as stored.
 // bf16 and fp32 weights are read in place (bf16 rows one at a time where the plan turns the software prefetch off and
-// the activations are small: OneRow). Other rows are decoded into scratch first, four at a time when there
+// the activations are small: one_row). Other rows are decoded into scratch first, four at a time when there
 // are at most four activation rows (the decode path: each weight byte read once, the scratch stays in L1/L2) and
 // 64 at a time otherwise (decoded once, reused for every group of four activation rows); the FP8 / FP4 decoding is
 // described in linear_common_avx512.inc. FP8 / FP4 weights against at most four activation rows take the
@@ -139,11 +139,12 @@ void DecodeRowsF32(const WeightView& w, int64_t n0, int64_t rows, int64_t kp, fl
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Inner loops: res[i][q0 + q] = sum_k x_i[k] * w_q[k] for NQ weight rows (4, or 1: OneRow) and MR activation rows;
-// an accumulator's operation sequence does not depend on NQ.
+// Inner loops: res[i][q0 + q] = sum_k x_i[k] * w_q[k] for NQ weight rows (4, or 1: one_row below) and MR
+// activation rows; an accumulator's operation sequence does not depend on NQ.
 
-template <int MR, int NQ = 4>
-void DotBf16(const uint16_t* const* w, int64_t kw, const uint16_t* x, int64_t xs, bool prefetch, float res[][4], int q0 = 0) {
+template <int MR, int NQ>
+void DotBf16(const uint16_t* const* w, int64_t kw, const uint16_t* x, int64_t xs, bool prefetch, float res[][4],
+             int q0) {
   __m512 acc[MR][4];
   for (int i = 0; i < MR; ++i)
     for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_setzero_ps();
@@ -172,8 +173,9 @@ void DotBf16(const uint16_t* const* w, int64_t kw, const uint16_t* x, int64_t xs
 }
 
 // fp32 activations in [even, odd] chunk layout against bf16 rows.
-template <int MR, int NQ = 4>
-void DotF32Bf16(const uint16_t* const* w, int64_t kw, const float* x, int64_t xs, bool prefetch, float res[][4], int q0 = 0) {
+template <int MR, int NQ>
+void DotF32Bf16(const uint16_t* const* w, int64_t kw, const float* x, int64_t xs, bool prefetch, float res[][4],
+                int q0) {
   __m512 acc[MR][4];
   for (int i = 0; i < MR; ++i)
     for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_setzero_ps();
@@ -199,8 +201,8 @@ void DotF32Bf16(const uint16_t* const* w, int64_t kw, const float* x, int64_t xs
 }
 
 // fp32 activations against fp32 rows (both in column order).
-template <int MR, int NQ = 4>
-void DotF32(const float* const* w, int64_t kw, const float* x, int64_t xs, bool prefetch, float res[][4], int q0 = 0) {
+template <int MR, int NQ>
+void DotF32(const float* const* w, int64_t kw, const float* x, int64_t xs, bool prefetch, float res[][4], int q0) {
   __m512 acc[MR][4];
   for (int i = 0; i < MR; ++i)
     for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_setzero_ps();
@@ -219,74 +221,45 @@ void DotF32(const float* const* w, int64_t kw, const float* x, int64_t xs, bool 
   StoreSums<MR, NQ>(acc, res, q0);
 }
 
-template <class W, class X>
-void Dot(int mr, const W* const* w, int64_t kw, const X* x, int64_t xs, bool pf, float res[][4]) {
+// NQ weight rows (4, or 1) against mr activation rows; results to res[i][q0 + q].
+template <int NQ, class W, class X>
+void Dot(int mr, const W* const* w, int64_t kw, const X* x, int64_t xs, bool pf, float res[][4], int q0) {
   if constexpr (sizeof(W) == 2 && sizeof(X) == 2) {
     switch (mr) {
-      case 1: DotBf16<1>(w, kw, x, xs, pf, res); break;
-      case 2: DotBf16<2>(w, kw, x, xs, pf, res); break;
-      case 3: DotBf16<3>(w, kw, x, xs, pf, res); break;
-      default: DotBf16<4>(w, kw, x, xs, pf, res); break;
+      case 1: DotBf16<1, NQ>(w, kw, x, xs, pf, res, q0); break;
+      case 2: DotBf16<2, NQ>(w, kw, x, xs, pf, res, q0); break;
+      case 3: DotBf16<3, NQ>(w, kw, x, xs, pf, res, q0); break;
+      default: DotBf16<4, NQ>(w, kw, x, xs, pf, res, q0); break;
     }
   } else if constexpr (sizeof(W) == 2) {
     switch (mr) {
-      case 1: DotF32Bf16<1>(w, kw, x, xs, pf, res); break;
-      case 2: DotF32Bf16<2>(w, kw, x, xs, pf, res); break;
-      case 3: DotF32Bf16<3>(w, kw, x, xs, pf, res); break;
-      default: DotF32Bf16<4>(w, kw, x, xs, pf, res); break;
+      case 1: DotF32Bf16<1, NQ>(w, kw, x, xs, pf, res, q0); break;
+      case 2: DotF32Bf16<2, NQ>(w, kw, x, xs, pf, res, q0); break;
+      case 3: DotF32Bf16<3, NQ>(w, kw, x, xs, pf, res, q0); break;
+      default: DotF32Bf16<4, NQ>(w, kw, x, xs, pf, res, q0); break;
     }
   } else {
     switch (mr) {
-      case 1: DotF32<1>(w, kw, x, xs, pf, res); break;
-      case 2: DotF32<2>(w, kw, x, xs, pf, res); break;
-      case 3: DotF32<3>(w, kw, x, xs, pf, res); break;
-      default: DotF32<4>(w, kw, x, xs, pf, res); break;
+      case 1: DotF32<1, NQ>(w, kw, x, xs, pf, res, q0); break;
+      case 2: DotF32<2, NQ>(w, kw, x, xs, pf, res, q0); break;
+      case 3: DotF32<3, NQ>(w, kw, x, xs, pf, res, q0); break;
+      default: DotF32<4, NQ>(w, kw, x, xs, pf, res, q0); break;
     }
   }
 }
 
-// Largest MR x cols activation block (bytes) for which weight rows read in place go one at a time (OneRow).
+// Largest MR x cols activation block (bytes) for which weight rows read in place go one at a time (one_row).
 constexpr int64_t kOneRowXBytes = 16384;
 
-// The same products one weight row at a time (one sequential stream of weights), each row's accumulators running
-// exactly the sequence Dot runs for them (results bit-identical). Where the plan leaves the weight rows to the
-// hardware prefetchers (AMD Zen 4) four rows side by side stream slower than one; past kOneRowXBytes the activations
-// no longer stay in L1 beside the stream. AMD EPYC family 0x19 model 0x11, two cores, bf16 weights from DRAM,
-// median of interleaved runs: bench-preset head slice 16384 x 2048, fp32 activations M = 1 / 2: 2180 / 2580 us
-// against 2700 / 2900 side by side; bf16 activations M = 2 / 3 / 4: 2090 / 2120 / 2700 against 2630 / 2890 /
-// 3050; Flash head slice 16384 x 4096, fp32 M = 1: 4280 against 5030; with 32 KiB of activations (fp32, M = 2)
-// 7450 against 5220. Only calls of at most four activation rows (one pass over the weight rows): eight bf16 rows
-// in two passes of four took 4340 us against 3450 side by side.
-template <class W, class X>
-void OneRow(int mr, const W* const* w, int64_t kw, const X* x, int64_t xs, float res[][4]) {
-  for (int q = 0; q < 4; ++q) {
-    if constexpr (sizeof(W) == 2 && sizeof(X) == 2) {
-      switch (mr) {
-        case 1: DotBf16<1, 1>(w + q, kw, x, xs, false, res, q); break;
-        case 2: DotBf16<2, 1>(w + q, kw, x, xs, false, res, q); break;
-        case 3: DotBf16<3, 1>(w + q, kw, x, xs, false, res, q); break;
-        default: DotBf16<4, 1>(w + q, kw, x, xs, false, res, q); break;
-      }
-    } else if constexpr (sizeof(W) == 2) {
-      switch (mr) {
-        case 1: DotF32Bf16<1, 1>(w + q, kw, x, xs, false, res, q); break;
-        case 2: DotF32Bf16<2, 1>(w + q, kw, x, xs, false, res, q); break;
-        case 3: DotF32Bf16<3, 1>(w + q, kw, x, xs, false, res, q); break;
-        default: DotF32Bf16<4, 1>(w + q, kw, x, xs, false, res, q); break;
-      }
-    } else {
-      switch (mr) {
-        case 1: DotF32<1, 1>(w + q, kw, x, xs, false, res, q); break;
-        case 2: DotF32<2, 1>(w + q, kw, x, xs, false, res, q); break;
-        case 3: DotF32<3, 1>(w + q, kw, x, xs, false, res, q); break;
-        default: DotF32<4, 1>(w + q, kw, x, xs, false, res, q); break;
-      }
-    }
-  }
-}
-
-// one_row: weight rows read in place with no software prefetch may go one at a time (OneRow) in calls of at most
-// four activation rows.
+// one_row: the same products one weight row at a time (Dot<1>: one sequential stream of weights), each row's
+// accumulators running exactly the sequence Dot<4> runs for them (results bit-identical). Taken where weight rows
+// read in place get no software prefetch (the plan's setting on AMD Zen 4): there four rows side by side stream
+// slower than one; past kOneRowXBytes the activations no longer stay in L1 beside the stream. AMD EPYC family 0x19
+// model 0x11, two cores, bf16 weights from DRAM, median of interleaved runs: bench-preset head slice 16384 x 2048,
+// fp32 activations M = 1 / 2: 2180 / 2580 us against 2700 / 2900 side by side; bf16 activations M = 2 / 3 / 4:
+// 2090 / 2120 / 2700 against 2630 / 2890 / 3050; Flash head slice 16384 x 4096, fp32 M = 1: 4280 against 5030;
+// with 32 KiB of activations (fp32, M = 2) 7450 against 5220. Only calls of at most four activation rows (one pass
+// over the weight rows): eight bf16 rows in two passes of four took 4340 us against 3450 side by side.
 template <class W, class X>
 void RowsBlock(const W* base, int64_t stride, int64_t rows, int64_t kw, const X* x, int64_t xs, int64_t m,
                const MatOut& out, int64_t col0, bool prefetch, bool one_row) {
@@ -298,9 +271,9 @@ void RowsBlock(const W* base, int64_t stride, int64_t rows, int64_t kw, const X*
       for (int q = 0; q < 4; ++q) w[q] = base + (r0 + q < rows ? r0 + q : rows - 1) * stride;
       float res[4][4];
       if (single) {
-        OneRow(mr, w, kw, x + m0 * xs, xs, res);
+        for (int q = 0; q < 4; ++q) Dot<1>(mr, w + q, kw, x + m0 * xs, xs, false, res, q);
       } else {
-        Dot(mr, w, kw, x + m0 * xs, xs, prefetch, res);
+        Dot<4>(mr, w, kw, x + m0 * xs, xs, prefetch, res, 0);
       }
       StoreResults(out, m0, mr, col0 + r0, rows - r0 < 4 ? rows - r0 : 4, res);
     }

@@ -506,7 +506,8 @@ void TestBatchInvariant(const Variant& v, ActType act, Fmt fmt) {
   struct Shape {
     int64_t n, kw, groups, block;
   };
-  // 3000 columns: one activation row reads the weight rows one at a time where two do not (OneRow, DotFp8Rows)
+  // 3000 columns: one activation row reads the weight rows one at a time where two do not (RowsBlock's one_row,
+  // DotFp8Rows)
   for (const Shape& s : {Shape{70, fp4 ? 320 : 300, 1, 32}, Shape{256, 256, 1, 128}, Shape{128, 64, 4, 128},
                          Shape{64, 1024, 1, 128}, Shape{24, fp4 ? 3008 : 3000, 1, 128}}) {
     Problem all = MakeProblem(rng, act, fmt, kBound, s.n, s.kw, s.groups, s.block);
