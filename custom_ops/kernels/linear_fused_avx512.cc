@@ -307,8 +307,12 @@ constexpr int64_t kFp8OneRowXBytes = 8192;
 //       time there was slower again (bench-preset wq_b 8192 x 512, M = 4: 1460 us against 1020).
 //   fp32 products: folded for up to two activation rows, where the block and total accumulators fit the registers;
 //     three or four scale each chunk instead, which sums in another order: batch invariance (RowsFused) keeps fp32
-//     activations to groups of two. Always four rows side by side: the fp16 route is decode-bound on Zen 4 and one
-//     row at a time measured no faster. FP4 rows (linear rows, 16 bytes per product) keep four too: one accumulator
+//     activations to groups of two. One activation row reads the weight rows one at a time where the plan leaves
+//     them to the hardware prefetchers and the row fits kFp8OneRowXBytes (K <= 2048), else four side by side.
+//     AMD EPYC family 0x19 model 0x11, two cores, weights from DRAM, two builds interleaved in one process, one row
+//     at a time against side by side: bench-preset wq_b 32768 x 512 768 / 908 us, 2048 x 2048 176 / 209, 512 x
+//     2048 63 / 71; 2048 x 4096 (16 KiB of activations) 492 / 368, and two activation rows (wq_b) 1049 / 908: those
+//     stay side by side. The fp16 route is decode-bound on Zen 4 either way (about 14 GB/s of codes per core). FP4 rows (linear rows, 16 bytes per product) keep four too: one accumulator
 //     chain per row is latency-bound there.
 template <int MR, bool kBf16Act>
 void DotFp8Rows(const WeightView& w, const int64_t* rows, const void* x, int64_t xs, float res[][4], bool fold) {
@@ -321,6 +325,9 @@ void DotFp8Rows(const WeightView& w, const int64_t* rows, const void* x, int64_t
     } else {
       for (int q = 0; q < 4; q += 2) DotFp8Finite<MR, 2, kBf16Act, true>(w, rows + q, x, xs, res, q);
     }
+  } else if (MR == 1 && fold && FoldsFp8(act, w) && !w.prefetch &&
+             w.cols * static_cast<int64_t>(sizeof(float)) <= kFp8OneRowXBytes) {
+    for (int q = 0; q < 4; ++q) DotFp8Finite<MR, 1, kBf16Act, true>(w, rows + q, x, xs, res, q);
   } else if (MR <= 2 && fold && FoldsFp8(act, w)) {
     DotFp8Finite<MR, 4, kBf16Act, MR <= 2>(w, rows, x, xs, res, 0);
   } else {

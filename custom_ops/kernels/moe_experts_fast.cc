@@ -10,8 +10,8 @@
 //   3. those activations are prepared per expert for W2;
 //   4. down: tasks over blocks of d rows; each loops over the batch's experts in ascending order and adds the
 //      rounded projection into the fp32 accumulator of each token.
-// A single decode step (6 experts of 256, one token) is one batch: stage 2 has 6 x I / 16 items and stage 4
-// d / 16, so every core streams weight rows. Each expert takes the tiles path when it has at least the level's
+// A single decode step (6 experts of 256, one token) is one batch: stage 2 has 6 x I / kWideRows items and stage 4
+// one block of d rows per task, so every core streams long runs of weight rows. Each expert takes the tiles path when it has at least the level's
 // tile_min_rows tokens. Results do not depend on the thread count (fixed per-output operation order, experts
 // added in ascending order).
 #include <algorithm>
@@ -26,6 +26,15 @@ namespace dsv4 {
 namespace {
 
 const Parallel kSerial{};
+
+// Decode-sized batches (every expert at most kWideMaxRows tokens, rows path) take wide work units: the gate/up
+// items span kWideRows rows of I (w1 then w3, 128 KiB each for FP4 at d = 2048) instead of 16, and each down task
+// reads its whole block of d rows of one expert's W2 before the next expert's, instead of alternating between the
+// experts every 16 rows. Fewer, longer sequential streams: the hardware prefetchers keep up. Same sums in the same
+// order (bit-identical). AMD EPYC family 0x19 model 0x11, two cores, bench preset (32 experts, top-6, d = 2048,
+// I = 1024, FP4), decode step, two builds interleaved in one process: 38.71 -> 38.42 ms (MoeExpertsFp4 7.2-7.4 ->
+// 6.7-7.3 ms per step in the profile).
+constexpr int64_t kWideMaxRows = 4, kWideRows = 128;
 
 int64_t TargetTasks(const Parallel& par) { return par.num_threads > 1 ? 4 * static_cast<int64_t>(par.num_threads) : 1; }
 
@@ -195,11 +204,22 @@ void RunMoeExperts(const LinearBlocks& b, ActType act, const void* x, int64_t to
                                    BlockScratch(b, act, w.w3, j.count, uses_tiles(j, false))));
         s2 = std::max(s2, BlockScratch(b, act, w.w2, j.count, uses_tiles(j, true)));
       }
-      const int64_t unit1 = tiles13 ? std::max<int64_t>(16, b.tile_rows) : 16;
+      // Work units: blocks of I rows (stages 1-2) and of d rows (stage 4); wide (see kWideMaxRows) takes blocks of
+      // kWideRows I rows and one block of d rows per task.
+      bool wide = max_count <= kWideMaxRows;
+      int64_t batch_rows = 0;
+      for (const ExpertJob& j : batch) {
+        wide = wide && !uses_tiles(j, false) && !uses_tiles(j, true);
+        batch_rows += j.count;
+      }
+      const int64_t unit1 = wide ? kWideRows : tiles13 ? std::max<int64_t>(16, b.tile_rows) : 16;
       const int64_t unit2 = tiles2 ? std::max<int64_t>(16, b.tile_rows) : 16;
-      const size_t gu_bytes = RoundUp64(static_cast<size_t>(max_count * unit1) * sizeof(float));
-      const size_t out2_bytes = RoundUp64(static_cast<size_t>(max_count * unit2) * sizeof(float));
       const int64_t tasks = TargetTasks(par);
+      const int64_t units2 = (dim + unit2 - 1) / unit2, tasks2 = std::min(tasks, units2);
+      const int64_t task_cols = (units2 + tasks2 - 1) / tasks2 * unit2;  // most d rows a task takes
+      const size_t gu_bytes = RoundUp64(static_cast<size_t>(max_count * unit1) * sizeof(float));
+      const size_t out2_bytes =
+          RoundUp64(static_cast<size_t>(wide ? batch_rows * task_cols : max_count * unit2) * sizeof(float));
       const size_t task1_bytes = s1 + 2 * gu_bytes, task2_bytes = s2 + out2_bytes;
       AlignedBuffer scratch(static_cast<size_t>(tasks) * std::max(task1_bytes, task2_bytes));
 
@@ -271,27 +291,42 @@ void RunMoeExperts(const LinearBlocks& b, ActType act, const void* x, int64_t to
           },
           operands.bytes(), true, par);
 
-      // 4. down projection: tasks over blocks of d rows, experts in ascending order inside.
-      const int64_t units2 = (dim + unit2 - 1) / unit2;
-      const int64_t tasks2 = std::min(tasks, units2);
+      // 4. down projection: tasks over blocks of d rows, experts in ascending order inside. Wide: one block per
+      //    task, whose experts' outputs are all computed before they are added (same order, same sums).
       par.For(static_cast<size_t>(tasks2), [&](size_t task) {
         uint8_t* base = scratch.bytes() + task * task2_bytes;
         float* out = reinterpret_cast<float*>(base + s2);
         const int64_t c0 = units2 * static_cast<int64_t>(task) / tasks2 * unit2;
         const int64_t c1 = std::min(dim, units2 * static_cast<int64_t>(task + 1) / tasks2 * unit2);
-        for (int64_t cb = c0; cb < c1; cb += unit2) {
-          const int64_t ce = std::min(c1, cb + unit2), cols = ce - cb;
+        const auto add = [&](const ExpertJob& j, const float* o, int64_t cb, int64_t cols) {
+          for (int64_t p = 0; p < j.count; ++p) {
+            float* dst = acc + slot_token[j.begin + p] * dim + cb;
+            if (b.moe_accumulate != nullptr) {
+              b.moe_accumulate(act, o + p * cols, cols, dst);
+            } else {
+              for (int64_t c = 0; c < cols; ++c) dst[c] += RoundAct(act, o[p * cols + c]);
+            }
+          }
+        };
+        const int64_t block = wide ? c1 - c0 : unit2;
+        for (int64_t cb = c0; cb < c1; cb += block) {
+          const int64_t ce = std::min(c1, cb + block), cols = ce - cb;
+          float* o = out;
           for (const ExpertJob& j : batch) {
             const WeightView w2 = WeightSlice(w.w2, j.expert);
             (j.tiles ? b.tiles : b.rows)(act, operands.bytes() + j.a_offset, j.count, w2, cb, ce,
-                                         MatOut{out, cols, false}, base);
-            for (int64_t p = 0; p < j.count; ++p) {
-              float* dst = acc + slot_token[j.begin + p] * dim + cb;
-              if (b.moe_accumulate != nullptr) {
-                b.moe_accumulate(act, out + p * cols, cols, dst);
-              } else {
-                for (int64_t c = 0; c < cols; ++c) dst[c] += RoundAct(act, out[p * cols + c]);
-              }
+                                         MatOut{o, cols, false}, base);
+            if (wide) {
+              o += j.count * cols;
+            } else {
+              add(j, o, cb, cols);
+            }
+          }
+          if (wide) {
+            o = out;
+            for (const ExpertJob& j : batch) {
+              add(j, o, cb, cols);
+              o += j.count * cols;
             }
           }
         }

@@ -271,6 +271,7 @@ void TestVariant(const Variant& v, ActType act, Fmt fmt) {
       {40, 5, 2, 64, fp4 ? 160 : 130, 64, 0.0f, false},                // no clamp
       {23, 1, 1, fp4 ? 64 : 72, fp4 ? 96 : 90, 32, 10.0f, true},        // dense mode (shared expert)
       {3, 9, 4, fp4 ? 128 : 150, 64, 128, 10.0f, false},
+      {2, 8, 3, 160, fp4 ? 288 : 300, 32, 10.0f, false},               // decode's wide units: I > kWideRows
   };
   const bool fp8 = fmt == Fmt::kFp8E8m0 || fmt == Fmt::kFp8F32;
   for (const Case& c : cases) {
