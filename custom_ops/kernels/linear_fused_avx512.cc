@@ -102,6 +102,16 @@ __m512i Fp8ToF16Bits(__m256i codes) {
                           _mm512_set1_epi16(static_cast<short>(0xBFFF)));
 }
 
+// 2 x 16 E4M3 codes -> code * 2^-120 as fp32 (exact: the sign-extended code shifted left by 20 puts exponent and
+// mantissa at fp32's bits 26..20 and the sign at 31 once bits 30..27 are cleared; E4M3 subnormals land on fp32
+// subnormals). Three integer operations per 16 codes and no conversion; the activations carry the other 2^112 (see
+// ScaledActivations), so each product equals the fp16 route's (code * 2^-8) * x exactly. NaN codes come out finite.
+void Fp8ToF32Scaled(__m128i c0, __m128i c1, __m512* lo, __m512* hi) {
+  const __m512i keep = _mm512_set1_epi32(static_cast<int>(0x87F00000u));
+  *lo = _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(_mm512_cvtepi8_epi32(c0), 20), keep));
+  *hi = _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(_mm512_cvtepi8_epi32(c1), 20), keep));
+}
+
 // 32 E4M3 codes -> their exact values as bf16 (no 2^-8 factor: bf16 has the exponent range): the sign-extended
 // word shifted left by 4 puts the exponent and mantissa at bf16's bits 10..4, the bias goes from 7 to 127 by adding
 // 120 << 7, and the sign is bit 15 of the sign-extended word. Subnormal codes (exponent field 0: mantissa * 2^-9,
@@ -146,7 +156,8 @@ bool Fp8RowHasNan(const uint8_t* row, int64_t cols) {
 }
 
 // R FP8 rows (scale blocks are multiples of 32 columns: the loop runs over blocks, then 32-column chunks).
-// Codes become fp16 bits of code * 2^-8 (Fp8ToF16Bits) and fp32 by VCVTPH2PS. Then either
+// Codes become fp16 bits of code * 2^-8 (Fp8ToF16Bits) and fp32 by VCVTPH2PS, or with kScaledX (folded fp32
+// products, x given times 2^112) code * 2^-120 by integer operations (Fp8ToF32Scaled): the same products. Then either
 //   kFold   the block's products are accumulated unscaled and the block sum is scaled once into the total:
 //           E8M0: total += blk * 2^(e - 127 + 8) by VSCALEFPS (exact, as scaling each product would be, barring
 //           overflow / underflow of the block sum itself); fp32 scales (fp32 activations only): total +=
@@ -159,8 +170,9 @@ bool Fp8RowHasNan(const uint8_t* row, int64_t cols) {
 // outputs NaN (every product with a NaN weight is NaN), which the end of the row applies.
 // NQ weight rows side by side (4, or 1 for one row at a time: see DotFp8Rows); results go to res[i][q0 + q]. Each
 // accumulator's operation sequence does not depend on NQ, so neither do the results.
-template <int MR, int NQ, bool kBf16Act, bool kFold, bool kFinite>
+template <int MR, int NQ, bool kBf16Act, bool kFold, bool kFinite, bool kScaledX = false>
 void DotFp8(const WeightView& w, const int64_t* rows, const void* xv, int64_t xs, float res[][4], int q0) {
+  static_assert(!kScaledX || (kFold && !kBf16Act), "scaled activations: folded fp32 products only");
   const int64_t kw = w.cols, scale_cols = (kw + w.block - 1) / w.block;
   const bool e8m0 = w.scale_format == ScaleFormat::kE8M0;
   const uint8_t* src[4];
@@ -201,11 +213,22 @@ void DotFp8(const WeightView& w, const int64_t* rows, const void* xv, int64_t xs
       __m512bh direct[4];
       for (int q = 0; q < NQ; ++q) {
         if (NQ > 1 && (k & 63) == 0) _mm_prefetch(PrefetchTarget(src[q], k, kw, kPrefetchFp8, NQ), _MM_HINT_T0);
+        if constexpr (kScaledX && kFinite) {
+          if (valid >= 32) {
+            Fp8ToF32Scaled(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src[q] + k)),
+                           _mm_loadu_si128(reinterpret_cast<const __m128i*>(src[q] + k + 16)), &lo[q], &hi[q]);
+            continue;
+          }
+        }
         const __m256i codes = valid >= 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[q] + k))
                                           : _mm256_maskz_loadu_epi8(Mask32(valid), src[q] + k);
         if constexpr (!kFinite) nan_seen = Fp8NanBytes(nan_seen, codes);
         if constexpr (kDirectBf16) {
           direct[q] = AsBh(Fp8ToBf16(codes));
+          continue;
+        }
+        if constexpr (kScaledX) {
+          Fp8ToF32Scaled(_mm256_castsi256_si128(codes), _mm256_extracti128_si256(codes, 1), &lo[q], &hi[q]);
           continue;
         }
         const __m512i h = Fp8ToF16Bits(codes);
@@ -266,12 +289,12 @@ void DotFp8(const WeightView& w, const int64_t* rows, const void* xv, int64_t xs
   }
 }
 
-template <int MR, int NQ, bool kBf16Act, bool kFold>
+template <int MR, int NQ, bool kBf16Act, bool kFold, bool kScaledX = false>
 void DotFp8Finite(const WeightView& w, const int64_t* rows, const void* x, int64_t xs, float res[][4], int q0) {
   if (w.fp8_finite) {
-    DotFp8<MR, NQ, kBf16Act, kFold, true>(w, rows, x, xs, res, q0);
+    DotFp8<MR, NQ, kBf16Act, kFold, true, kScaledX>(w, rows, x, xs, res, q0);
   } else {
-    DotFp8<MR, NQ, kBf16Act, kFold, false>(w, rows, x, xs, res, q0);
+    DotFp8<MR, NQ, kBf16Act, kFold, false, kScaledX>(w, rows, x, xs, res, q0);
   }
 }
 
@@ -312,10 +335,17 @@ constexpr int64_t kFp8OneRowXBytes = 8192;
 //     AMD EPYC family 0x19 model 0x11, two cores, weights from DRAM, two builds interleaved in one process, one row
 //     at a time against side by side: bench-preset wq_b 32768 x 512 768 / 908 us, 2048 x 2048 176 / 209, 512 x
 //     2048 63 / 71; 2048 x 4096 (16 KiB of activations) 492 / 368, and two activation rows (wq_b) 1049 / 908: those
-//     stay side by side. The fp16 route is decode-bound on Zen 4 either way (about 14 GB/s of codes per core). FP4 rows (linear rows, 16 bytes per product) keep four too: one accumulator
-//     chain per row is latency-bound there.
+//     stay side by side. There the codes take the integer route (Fp8ToF32Scaled, activations times 2^112 from
+//     ScaledActivations) instead of the fp16 route, which is decode-bound on Zen 4 (about 14 GB/s of codes per core:
+//     VCVTPH2PS); same products, bit-identical. Same machine, same method, integer / fp16 route: wq_b 32768 x 512
+//     611 / 698 us, 2048 x 2048 158-159 / 173-185, 512 x 2048 54 / 61; side by side (2048 x 4096, two rows) it
+//     measured equal and is not used.
+//   FP4 rows (linear rows, 16 bytes per product) keep four side by side too: one accumulator chain per row is
+//     latency-bound there, and two rows at a time measured slower (bench-preset expert shapes 1024 x 2048 and 2048 x
+//     1024, one fp32 row: 84 / 79 us four side by side against 123 / 127 two).
 template <int MR, bool kBf16Act>
-void DotFp8Rows(const WeightView& w, const int64_t* rows, const void* x, int64_t xs, float res[][4], bool fold) {
+void DotFp8Rows(const WeightView& w, const int64_t* rows, const void* x, int64_t xs, float res[][4], bool fold,
+                const float* x_scaled) {
   const ActType act = kBf16Act ? ActType::kBf16 : ActType::kF32;
   if (kBf16Act && fold && FoldsAllRows(act, w)) {
     if (MR <= 2 && !w.prefetch && MR * w.cols * static_cast<int64_t>(sizeof(uint16_t)) <= kFp8OneRowXBytes) {
@@ -327,6 +357,12 @@ void DotFp8Rows(const WeightView& w, const int64_t* rows, const void* x, int64_t
     }
   } else if (MR == 1 && fold && FoldsFp8(act, w) && !w.prefetch &&
              w.cols * static_cast<int64_t>(sizeof(float)) <= kFp8OneRowXBytes) {
+    if constexpr (!kBf16Act) {
+      if (x_scaled != nullptr) {  // the integer route (Fp8ToF32Scaled)
+        for (int q = 0; q < 4; ++q) DotFp8Finite<MR, 1, false, true, true>(w, rows + q, x_scaled, xs, res, q);
+        return;
+      }
+    }
     for (int q = 0; q < 4; ++q) DotFp8Finite<MR, 1, kBf16Act, true>(w, rows + q, x, xs, res, q);
   } else if (MR <= 2 && fold && FoldsFp8(act, w)) {
     DotFp8Finite<MR, 4, kBf16Act, MR <= 2>(w, rows, x, xs, res, 0);
@@ -338,7 +374,7 @@ void DotFp8Rows(const WeightView& w, const int64_t* rows, const void* x, int64_t
 // fold: whether the group may take the folded FP8 loop (off: every group sums as the scratch path).
 template <int MR>
 void DotFused(ActType act, const WeightView& w, const int64_t* rows, const void* x, int64_t xs, float res[][4],
-              bool fold) {
+              bool fold, const float* x_scaled) {
   if (w.format == WeightFormat::kFp4E2M1) {
     Fp4Rows src;
     src.row_bytes = w.cols / 2;
@@ -352,10 +388,25 @@ void DotFused(ActType act, const WeightView& w, const int64_t* rows, const void*
       DotFp4F32<MR>(src, w.cols, static_cast<const float*>(x), xs, res);
     }
   } else if (act == ActType::kBf16) {
-    DotFp8Rows<MR, true>(w, rows, x, xs, res, fold);
+    DotFp8Rows<MR, true>(w, rows, x, xs, res, fold, nullptr);
   } else {
-    DotFp8Rows<MR, false>(w, rows, x, xs, res, fold);
+    DotFp8Rows<MR, false>(w, rows, x, xs, res, fold, x_scaled);
   }
+}
+
+// x * 2^112 into out (n floats, a multiple of 16) when that is exact for the integer route: every |x| < 2^15 (so
+// nothing overflows; NaN and infinity fail the test) and subnormal inputs are not flushed (MXCSR.DAZ clear: the
+// route's E4M3 subnormals are fp32 subnormals). False leaves the fp16 route to the caller.
+bool ScaledActivations(const float* x, int64_t n, float* out) {
+  if ((_mm_getcsr() & 0x40) != 0) return false;
+  const __m512 limit = _mm512_set1_ps(32768.0f), up = _mm512_set1_ps(0x1p112f);
+  __mmask16 bad = 0;
+  for (int64_t k = 0; k < n; k += 16) {
+    const __m512 v = _mm512_loadu_ps(x + k);
+    bad |= _mm512_cmp_ps_mask(_mm512_abs_ps(v), limit, _CMP_NLT_UQ);
+    _mm512_store_ps(out + k, _mm512_mul_ps(v, up));
+  }
+  return bad == 0;
 }
 
 }  // namespace
@@ -401,6 +452,14 @@ void RowsFused(ActType act, const void* xp, int64_t m, const WeightView& w, int6
   // FusedFp32Groups stands in for the scratch path: no folded group, so every output sums as it would there and
   // the result does not depend on the plan's prefetch setting (bit for bit). FusedBf16Groups folds, on every plan.
   const bool fold = m <= 4 || InvariantFold(act, w, m) || FusedBf16Groups(act, w, m);
+  // One fp32 activation row read against FP8 rows one at a time: the codes take the integer route
+  // (Fp8ToF32Scaled) against x * 2^112 where that is exact.
+  alignas(64) float scaled_buf[kFp8OneRowXBytes / sizeof(float)];
+  const float* x_scaled = nullptr;
+  if (act == ActType::kF32 && m == 1 && kp * static_cast<int64_t>(sizeof(float)) <= kFp8OneRowXBytes &&
+      FoldsFp8(act, w) && !w.prefetch && ScaledActivations(static_cast<const float*>(xp), kp, scaled_buf)) {
+    x_scaled = scaled_buf;
+  }
   for (int64_t r0 = n0; r0 < n1; r0 += 4) {
     int64_t rows[4];
     for (int q = 0; q < 4; ++q) rows[q] = r0 + q < n1 ? r0 + q : n1 - 1;
@@ -409,10 +468,10 @@ void RowsFused(ActType act, const void* xp, int64_t m, const WeightView& w, int6
       const void* x = static_cast<const uint8_t*>(xp) + static_cast<size_t>(i0) * row_bytes;
       float res[4][4];
       switch (mr) {
-        case 1: DotFused<1>(act, w, rows, x, kp, res, fold); break;
-        case 2: DotFused<2>(act, w, rows, x, kp, res, fold); break;
-        case 3: DotFused<3>(act, w, rows, x, kp, res, fold); break;
-        default: DotFused<4>(act, w, rows, x, kp, res, fold); break;
+        case 1: DotFused<1>(act, w, rows, x, kp, res, fold, x_scaled); break;
+        case 2: DotFused<2>(act, w, rows, x, kp, res, fold, nullptr); break;
+        case 3: DotFused<3>(act, w, rows, x, kp, res, fold, nullptr); break;
+        default: DotFused<4>(act, w, rows, x, kp, res, fold, nullptr); break;
       }
       StoreResults(out, i0, mr, r0 - n0, n1 - r0 < 4 ? n1 - r0 : 4, res);
     }

@@ -21,6 +21,9 @@
 #include <string>
 #include <utility>
 #include <vector>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <xmmintrin.h>
+#endif
 
 #include "custom_ops/kernels/linear.h"
 #include "custom_ops/kernels/linear_blocks.h"
@@ -537,6 +540,21 @@ void TestBatchInvariant(const Variant& v, ActType act, Fmt fmt) {
   }
 }
 
+// f() with MXCSR.DAZ set when daz (x86; elsewhere as is), the previous MXCSR restored after.
+template <class F>
+auto RunWithDaz(bool daz, F f) {
+#if defined(__x86_64__) || defined(_M_X64)
+  const unsigned int csr = _mm_getcsr();
+  if (daz) _mm_setcsr(csr | 0x40);
+  auto r = f();
+  _mm_setcsr(csr);
+  return r;
+#else
+  (void)daz;
+  return f();
+#endif
+}
+
 // The weight prefetch (WeightView::prefetch, off on AMD Zen 4) only moves data: results are bit-identical with it
 // on and off, for every format (bf16 / fp32 rows read in place are the ones it applies to) and row counts on the
 // rows path and above it.
@@ -563,7 +581,8 @@ void TestFp8CodesExact(const Variant& v) {
   w.scale = {127, 120};  // 1 and 2^-7, per 128-column block
   for (ActType act : {ActType::kF32, ActType::kBf16}) {
     for (int64_t m : {1, 2, 3, 4, 5, 6, 8}) {
-      for (bool prefetch : {true, false}) {  // the plan's two row orders (DotFp8Rows), 5-8 fp32 rows' two paths
+      for (int mode = 0; mode < 3; ++mode) {  // the plan's two row orders (DotFp8Rows), 5-8 fp32 rows' two paths
+        const bool prefetch = mode == 0, daz = mode == 2;
         Problem p{act, m, 1, w, {}, {}};
         p.w.view.data = p.w.data.data();
         p.w.view.scale = p.w.scale.data();
@@ -572,7 +591,9 @@ void TestFp8CodesExact(const Variant& v) {
           p.x32.assign(m * kK, 0.0f);
           for (int64_t i = 0; i < m; ++i) p.x32[i * kK + (j + 61 * i) % kK] = 1.0f;
           p.x16 = dsv4_test::ToBf16(p.x32);
-          const std::vector<float> got = Run(v.run, p, dsv4::SerialParallel());
+          // MXCSR.DAZ set (denormal inputs read as zero) must not lose the subnormal codes: the integer route of one
+          // fp32 row (codes times 2^-120, subnormal in fp32) steps aside then
+          const std::vector<float> got = RunWithDaz(daz, [&] { return Run(v.run, p, dsv4::SerialParallel()); });
           for (int64_t i = 0; i < m; ++i) {
             const int64_t col = (j + 61 * i) % kK;
             for (int64_t n = 0; n < kN; ++n) {
@@ -581,6 +602,7 @@ void TestFp8CodesExact(const Variant& v) {
               const float g = got[i * kN + n];
               KT_CHECK(g == want)  // exact (a sum from +0 turns the -0 code into +0)
                   << v.name << (act == ActType::kF32 ? " f32" : " bf16") << " M=" << m << " prefetch " << prefetch
+                  << (daz ? " DAZ" : "")
                   << " row " << i << " code 0x" << std::hex << int{code} << std::dec << " (column " << col
                   << "): got " << g << ", want " << want;
             }
@@ -604,12 +626,18 @@ void TestPrefetchOff(const Variant& v) {
                {1, 299}, {3, 299}, {4, 299}, {5, 299}, {6, 299}, {8, 299}, {9, 299}, {16, 299}, {17, 299},
                {1, 3000}, {2, 3000}, {3, 3000}, {4, 3000}, {5, 3000}}) {
         Problem on = MakeProblem(rng, act, fmt, m, 37, fmt == Fmt::kFp4 ? (kw == 299 ? 288 : 3008) : kw, 1, 32);
-        Problem off = on;
-        off.w.view.data = off.w.data.data();
-        off.w.view.scale = off.w.scale.empty() ? nullptr : off.w.scale.data();
-        off.w.view.prefetch = false;
-        dsv4_test::ExpectIdentical(v.name + " prefetch off " + Describe(on, fmt), Run(v.run, off, threads.Get()),
-                                   Run(v.run, on, threads.Get()));
+        // one fp32 row against FP8 rows read one at a time takes the integer route (activations scaled by 2^112)
+        // only while every |x| < 2^15: a large activation must send it back to the fp16 route, not overflow
+        for (bool large : {false, true}) {
+          if (large && (act != ActType::kF32 || m != 1)) continue;
+          if (large) on.x32[7] = 1.0e6f;  // 2^112 times it overflows fp32
+          Problem off = on;
+          off.w.view.data = off.w.data.data();
+          off.w.view.scale = off.w.scale.empty() ? nullptr : off.w.scale.data();
+          off.w.view.prefetch = false;
+          dsv4_test::ExpectIdentical(v.name + " prefetch off " + Describe(on, fmt) + (large ? " large x" : ""),
+                                     Run(v.run, off, threads.Get()), Run(v.run, on, threads.Get()));
+        }
       }
     }
   }
