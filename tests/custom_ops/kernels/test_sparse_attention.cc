@@ -220,12 +220,32 @@ void TestDominantSink(const SparseAttentionKernels& k, bool bf16) {
   }
 }
 
+// Decode with fewer queries than threads splits the heads into groups (of 16 or more) before it splits the keys: every
+// head sums alike in any group, so the output is bit-identical to the serial one as long as the head groups suffice
+// (64 heads: 2 and 4 threads); 8 threads split the keys as well (Compare above).
+void TestHeadSplitIdentical(const SparseAttentionKernels& k, bool bf16) {
+  Rng rng(0x5a18);
+  const dsv4_test::ThreadParallel two(2), four(4);
+  for (Config c : {Config{1, 1, 64, 512, 128, 32, 4, 300, 256, {1199}}, Config{1, 1, 64, 512, 128, 32, 0, 0, 0, {70}},
+                   Config{1, 1, 48, 96, 24, 8, 4, 200, 90, {779}}}) {
+    c.bf16_values = bf16;
+    const Problem p = Make(rng, c);
+    const std::vector<float> serial = Run(k, p, bf16, dsv4::SerialParallel());
+    dsv4_test::ExpectIdentical(Describe(c) + " 2 threads", Run(k, p, bf16, two.Get()), serial);
+    dsv4_test::ExpectIdentical(Describe(c) + " 4 threads", Run(k, p, bf16, four.Get()), serial);
+  }
+}
+
 void RegisterTable(const std::string& isa, const SparseAttentionKernels* (*get)(), IsaLevel require) {
   for (bool bf16 : {false, true}) {
     const std::string dtype = bf16 ? "bf16" : "f32";
     kt::Register("sparse_attention_" + dtype + "_" + isa, [get, require, bf16] {
       dsv4_test::RequireIsa(require);
       TestMatchesRef(*get(), bf16);
+    });
+    kt::Register("sparse_attention_head_split_" + dtype + "_" + isa, [get, require, bf16] {
+      dsv4_test::RequireIsa(require);
+      TestHeadSplitIdentical(*get(), bf16);
     });
     kt::Register("sparse_attention_dominant_sink_" + dtype + "_" + isa, [get, require, bf16] {
       dsv4_test::RequireIsa(require);
