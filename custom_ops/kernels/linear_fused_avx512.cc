@@ -213,13 +213,6 @@ void DotFp8(const WeightView& w, const int64_t* rows, const void* xv, int64_t xs
       __m512bh direct[4];
       for (int q = 0; q < NQ; ++q) {
         if (NQ > 1 && (k & 63) == 0) _mm_prefetch(PrefetchTarget(src[q], k, kw, kPrefetchFp8, NQ), _MM_HINT_T0);
-        if constexpr (kScaledX && kFinite) {
-          if (valid >= 32) {
-            Fp8ToF32Scaled(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src[q] + k)),
-                           _mm_loadu_si128(reinterpret_cast<const __m128i*>(src[q] + k + 16)), &lo[q], &hi[q]);
-            continue;
-          }
-        }
         const __m256i codes = valid >= 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[q] + k))
                                           : _mm256_maskz_loadu_epi8(Mask32(valid), src[q] + k);
         if constexpr (!kFinite) nan_seen = Fp8NanBytes(nan_seen, codes);
@@ -311,9 +304,16 @@ bool FoldsAllRows(ActType act, const WeightView& w) {
   return act == ActType::kBf16 && w.format == WeightFormat::kFp8E4M3 && w.scale_format == ScaleFormat::kE8M0;
 }
 
-// Largest MR x cols bf16 activation block that one-row-at-a-time reading (below) keeps to; past it the weight stream
-// pushes the activations out of L1 and each 32 codes wait on an L2 read.
+// Largest MR x cols activation block (bf16 or fp32) that one-row-at-a-time reading (below) keeps to; past it the weight
+// stream pushes the activations out of L1 and each 32 codes wait on an L2 read.
 constexpr int64_t kFp8OneRowXBytes = 8192;
+
+// One fp32 activation row against FP8 rows that fold, read one weight row at a time (DotFp8Rows below) on the integer
+// route when its activations allow (RowsFused): where the plan leaves rows to the hardware prefetchers and the row's
+// activations fit kFp8OneRowXBytes.
+bool Fp32OneRow(const WeightView& w) {
+  return FoldsFp8(ActType::kF32, w) && !w.prefetch && w.cols * static_cast<int64_t>(sizeof(float)) <= kFp8OneRowXBytes;
+}
 
 // Four FP8 rows against MR activation rows. How the weight rows are walked does not change any accumulator's
 // operation sequence, only the speed:
@@ -355,15 +355,14 @@ void DotFp8Rows(const WeightView& w, const int64_t* rows, const void* x, int64_t
     } else {
       for (int q = 0; q < 4; q += 2) DotFp8Finite<MR, 2, kBf16Act, true>(w, rows + q, x, xs, res, q);
     }
-  } else if (MR == 1 && fold && FoldsFp8(act, w) && !w.prefetch &&
-             w.cols * static_cast<int64_t>(sizeof(float)) <= kFp8OneRowXBytes) {
+  } else if (!kBf16Act && MR == 1 && fold && Fp32OneRow(w)) {
     if constexpr (!kBf16Act) {
       if (x_scaled != nullptr) {  // the integer route (Fp8ToF32Scaled)
         for (int q = 0; q < 4; ++q) DotFp8Finite<MR, 1, false, true, true>(w, rows + q, x_scaled, xs, res, q);
-        return;
+      } else {
+        for (int q = 0; q < 4; ++q) DotFp8Finite<MR, 1, false, true>(w, rows + q, x, xs, res, q);
       }
     }
-    for (int q = 0; q < 4; ++q) DotFp8Finite<MR, 1, kBf16Act, true>(w, rows + q, x, xs, res, q);
   } else if (MR <= 2 && fold && FoldsFp8(act, w)) {
     DotFp8Finite<MR, 4, kBf16Act, MR <= 2>(w, rows, x, xs, res, 0);
   } else {
@@ -456,8 +455,8 @@ void RowsFused(ActType act, const void* xp, int64_t m, const WeightView& w, int6
   // (Fp8ToF32Scaled) against x * 2^112 where that is exact.
   alignas(64) float scaled_buf[kFp8OneRowXBytes / sizeof(float)];
   const float* x_scaled = nullptr;
-  if (act == ActType::kF32 && m == 1 && kp * static_cast<int64_t>(sizeof(float)) <= kFp8OneRowXBytes &&
-      FoldsFp8(act, w) && !w.prefetch && ScaledActivations(static_cast<const float*>(xp), kp, scaled_buf)) {
+  if (act == ActType::kF32 && m == 1 && Fp32OneRow(w) &&
+      ScaledActivations(static_cast<const float*>(xp), kp, scaled_buf)) {
     x_scaled = scaled_buf;
   }
   for (int64_t r0 = n0; r0 < n1; r0 += 4) {
