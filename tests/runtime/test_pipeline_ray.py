@@ -23,6 +23,10 @@ from dsv4_ort.runtime.pipeline import PipelineSession, StageError, start_local_r
 
 # every pipeline call waits at most this long (a hang fails the test instead of blocking the run)
 CALL_TIMEOUT = 60.0
+# opening a pipeline waits longer. Trap: now and then a Ray worker process dies while starting (seen with ASan
+# preloaded, tests/sanitize.sh); Ray notices only when the worker has not registered within its own 60 s
+# (worker_register_timeout_seconds) and then starts another for the stage actor, so a load can take just over 60 s.
+LOAD_TIMEOUT = 180.0
 # batch invariance up to this many rows on the pipeline and the single graph: micro-batches of a decode step then
 # give each row what the whole batch gives it, so micro-batched logits compare bitwise with the single graph's
 INVARIANT = 4
@@ -96,8 +100,12 @@ def _loopback(addr: str) -> bool:
 
 
 def _pipeline(path, **kw) -> PipelineSession:
+    """A Ray pipeline over ``path`` whose loading may take LOAD_TIMEOUT and whose calls then answer within
+    CALL_TIMEOUT."""
     kw.setdefault("batch_invariant", INVARIANT)
-    return PipelineSession(path, backend="ray", intra_op_threads=1, num_cpus=1, timeout=CALL_TIMEOUT, **kw)
+    staged = PipelineSession(path, backend="ray", intra_op_threads=1, num_cpus=1, timeout=LOAD_TIMEOUT, **kw)
+    staged.timeout = CALL_TIMEOUT
+    return staged
 
 
 @pytest.mark.parametrize("n", [2, 3])

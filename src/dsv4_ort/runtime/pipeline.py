@@ -522,7 +522,9 @@ class PipelineSession:
         placement: a Ray placement group strategy (``"STRICT_SPREAD"``: one stage per node; ``"PACK"``,
             ``"SPREAD"``) with one bundle of ``num_cpus`` CPUs per stage; default: none (Ray places the actors).
         timeout: seconds a call waits for the stages before a :class:`StageError` (default: no limit; a dead actor
-            is reported at once either way).
+            is reported at once either way). Opening the pipeline waits for every stage to load under the same
+            limit; a Ray worker process that dies while starting is replaced only after Ray's worker registration
+            timeout (60 s by default), so leave loading more than that.
     """
 
     def __init__(self, model_dir: str | os.PathLike, *, backend: str = "local", intra_op_threads: int | None = None,
