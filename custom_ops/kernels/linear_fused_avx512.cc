@@ -308,11 +308,12 @@ bool FoldsAllRows(ActType act, const WeightView& w) {
 // stream pushes the activations out of L1 and each 32 codes wait on an L2 read.
 constexpr int64_t kFp8OneRowXBytes = 8192;
 
-// One fp32 activation row against FP8 rows that fold, read one weight row at a time (DotFp8Rows below) on the integer
-// route when its activations allow (RowsFused): where the plan leaves rows to the hardware prefetchers and the row's
-// activations fit kFp8OneRowXBytes.
-bool Fp32OneRow(const WeightView& w) {
-  return FoldsFp8(ActType::kF32, w) && !w.prefetch && w.cols * static_cast<int64_t>(sizeof(float)) <= kFp8OneRowXBytes;
+// One or two fp32 activation rows (mr) against FP8 rows that fold, read one weight row at a time (DotFp8Rows below)
+// on the integer route when the activations allow (RowsFused; one row also without it): where the plan leaves rows
+// to the hardware prefetchers and the mr rows fit kFp8OneRowXBytes (K <= 2048 for one row, K <= 1024 for two).
+bool Fp32OneRow(const WeightView& w, int64_t mr) {
+  return FoldsFp8(ActType::kF32, w) && !w.prefetch &&
+         mr * w.cols * static_cast<int64_t>(sizeof(float)) <= kFp8OneRowXBytes;
 }
 
 // Four FP8 rows against MR activation rows. How the weight rows are walked does not change any accumulator's
@@ -339,7 +340,10 @@ bool Fp32OneRow(const WeightView& w) {
 //     ScaledActivations) instead of the fp16 route, which is decode-bound on Zen 4 (about 14 GB/s of codes per core:
 //     VCVTPH2PS); same products, bit-identical. Same machine, same method, integer / fp16 route: wq_b 32768 x 512
 //     611 / 698 us, 2048 x 2048 158-159 / 173-185, 512 x 2048 54 / 61; side by side (2048 x 4096, two rows) it
-//     measured equal and is not used.
+//     measured equal and is not used. Two activation rows (a pair under batch invariance, an MTP verify of two
+//     tokens) read one weight row at a time on the integer route as well while both fit kFp8OneRowXBytes (K <=
+//     1024), against four side by side on the fp16 route: wq_b 32768 x 512 881 / 1021 us, 8192 x 1024 405-410 /
+//     486-501; at K = 2048 (16 KiB of activations) it was 7-9% slower and stays side by side.
 //   FP4 rows (linear rows, 16 bytes per product) keep four side by side too: one accumulator chain per row is
 //     latency-bound there, and two rows at a time measured slower (bench-preset expert shapes 1024 x 2048 and 2048 x
 //     1024, one fp32 row: 84 / 79 us four side by side against 123 / 127 two).
@@ -355,8 +359,8 @@ void DotFp8Rows(const WeightView& w, const int64_t* rows, const void* x, int64_t
     } else {
       for (int q = 0; q < 4; q += 2) DotFp8Finite<MR, 2, kBf16Act, true>(w, rows + q, x, xs, res, q);
     }
-  } else if (!kBf16Act && MR == 1 && fold && Fp32OneRow(w)) {
-    if constexpr (!kBf16Act) {
+  } else if (!kBf16Act && MR <= 2 && fold && Fp32OneRow(w, MR) && (MR == 1 || x_scaled != nullptr)) {
+    if constexpr (!kBf16Act && MR <= 2) {
       if (x_scaled != nullptr) {  // the integer route (Fp8ToF32Scaled)
         for (int q = 0; q < 4; ++q) DotFp8Finite<MR, 1, false, true, true>(w, rows + q, x_scaled, xs, res, q);
       } else {
@@ -451,12 +455,16 @@ void RowsFused(ActType act, const void* xp, int64_t m, const WeightView& w, int6
   // FusedFp32Groups stands in for the scratch path: no folded group, so every output sums as it would there and
   // the result does not depend on the plan's prefetch setting (bit for bit). FusedBf16Groups folds, on every plan.
   const bool fold = m <= 4 || InvariantFold(act, w, m) || FusedBf16Groups(act, w, m);
-  // One fp32 activation row read against FP8 rows one at a time: the codes take the integer route
-  // (Fp8ToF32Scaled) against x * 2^112 where that is exact.
+  // One or two fp32 activation rows read against FP8 rows one at a time: the codes take the integer route
+  // (Fp8ToF32Scaled) against x * 2^112 where that is exact. Only calls of one or two rows: where more pairs read the
+  // same four weight rows (batch invariance), those sit in L1 after the first pair and four side by side on the fp16
+  // route measured faster (bench preset, 16-row batch-invariant fp32 decode step: 239 ms against 246 with every
+  // pair on the integer route, AMD EPYC family 0x19 model 0x11).
   alignas(64) float scaled_buf[kFp8OneRowXBytes / sizeof(float)];
   const float* x_scaled = nullptr;
-  if (act == ActType::kF32 && m == 1 && Fp32OneRow(w) &&
-      ScaledActivations(static_cast<const float*>(xp), kp, scaled_buf)) {
+  if (act == ActType::kF32 && m <= 2 && Fp32OneRow(w, m) &&
+      m * kp * static_cast<int64_t>(sizeof(float)) <= kFp8OneRowXBytes &&
+      ScaledActivations(static_cast<const float*>(xp), m * kp, scaled_buf)) {
     x_scaled = scaled_buf;
   }
   for (int64_t r0 = n0; r0 < n1; r0 += 4) {
@@ -465,10 +473,11 @@ void RowsFused(ActType act, const void* xp, int64_t m, const WeightView& w, int6
     for (int64_t i0 = 0; i0 < m; i0 += group) {
       const int mr = static_cast<int>(m - i0 < group ? m - i0 : group);
       const void* x = static_cast<const uint8_t*>(xp) + static_cast<size_t>(i0) * row_bytes;
+      const float* xsc = x_scaled != nullptr ? x_scaled + i0 * kp : nullptr;
       float res[4][4];
       switch (mr) {
-        case 1: DotFused<1>(act, w, rows, x, kp, res, fold, x_scaled); break;
-        case 2: DotFused<2>(act, w, rows, x, kp, res, fold, nullptr); break;
+        case 1: DotFused<1>(act, w, rows, x, kp, res, fold, xsc); break;
+        case 2: DotFused<2>(act, w, rows, x, kp, res, fold, xsc); break;
         case 3: DotFused<3>(act, w, rows, x, kp, res, fold, nullptr); break;
         default: DotFused<4>(act, w, rows, x, kp, res, fold, nullptr); break;
       }

@@ -511,10 +511,15 @@ void TestBatchInvariant(const Variant& v, ActType act, Fmt fmt) {
   };
   // 3000 columns: one activation row reads the weight rows one at a time where two do not (RowsBlock's one_row,
   // DotFp8Rows)
-  for (const Shape& s : {Shape{70, fp4 ? 320 : 300, 1, 32}, Shape{256, 256, 1, 128}, Shape{128, 64, 4, 128},
-                         Shape{64, 1024, 1, 128}, Shape{24, fp4 ? 3008 : 3000, 1, 128}}) {
+  // Both row orders of the plan (WeightView::prefetch; off, one fp32 or bf16 activation row and pairs of fp32 rows
+  // read FP8 rows one at a time, on the integer route, where the activations fit kFp8OneRowXBytes).
+  for (const auto& [s, prefetch] : std::vector<std::pair<Shape, bool>>{
+           {{70, fp4 ? 320 : 300, 1, 32}, true}, {{256, 256, 1, 128}, true}, {{128, 64, 4, 128}, true},
+           {{64, 1024, 1, 128}, true}, {{24, fp4 ? 3008 : 3000, 1, 128}, true}, {{70, fp4 ? 320 : 300, 1, 32}, false},
+           {{64, 1024, 1, 128}, false}, {{24, 2048, 1, 128}, false}}) {
     Problem all = MakeProblem(rng, act, fmt, kBound, s.n, s.kw, s.groups, s.block);
     all.w.view.invariant_rows = kBound;
+    all.w.view.prefetch = prefetch;
     const int64_t n = all.w.view.rows, k = all.w.view.cols * all.groups;
     std::vector<std::vector<float>> alone(kBound);
     for (int64_t i = 0; i < kBound; ++i) {
@@ -534,7 +539,8 @@ void TestBatchInvariant(const Variant& v, ActType act, Fmt fmt) {
       const std::vector<float> got = Run(v.run, p, threads.Get());
       int64_t differ = 0;
       for (int64_t i = 0; i < m; ++i) differ += std::memcmp(got.data() + i * n, alone[i].data(), n * sizeof(float)) != 0;
-      KT_CHECK(differ == 0) << v.name << " " << Describe(p, fmt) << " invariant_rows=" << kBound << ": " << differ
+      KT_CHECK(differ == 0) << v.name << " " << Describe(p, fmt) << " invariant_rows=" << kBound << " prefetch "
+                            << prefetch << ": " << differ
                             << " of " << m << " rows differ from the row computed alone";
     }
   }
@@ -623,14 +629,15 @@ void TestPrefetchOff(const Variant& v) {
       // time for one activation row of 299 columns; at 3000 columns only bf16 ones do, and not for all row counts
       // (kOneRowXBytes, kFp8OneRowXBytes)
       for (const auto& [m, kw] : std::vector<std::pair<int64_t, int64_t>>{
-               {1, 299}, {3, 299}, {4, 299}, {5, 299}, {6, 299}, {8, 299}, {9, 299}, {16, 299}, {17, 299},
-               {1, 3000}, {2, 3000}, {3, 3000}, {4, 3000}, {5, 3000}}) {
+               {1, 299}, {2, 299}, {3, 299}, {4, 299}, {5, 299}, {6, 299}, {8, 299}, {9, 299}, {16, 299}, {17, 299},
+               {2, 1000}, {1, 3000}, {2, 3000}, {3, 3000}, {4, 3000}, {5, 3000}}) {
         Problem on = MakeProblem(rng, act, fmt, m, 37, fmt == Fmt::kFp4 ? (kw == 299 ? 288 : 3008) : kw, 1, 32);
-        // one fp32 row against FP8 rows read one at a time takes the integer route (activations scaled by 2^112)
-        // only while every |x| < 2^15: a large activation must send it back to the fp16 route, not overflow
+        // one or two fp32 rows against FP8 rows read one at a time take the integer route (activations scaled by
+        // 2^112) only while every |x| < 2^15: a large activation (in the last row) must send them back to the fp16
+        // route, not overflow
         for (bool large : {false, true}) {
-          if (large && (act != ActType::kF32 || m != 1)) continue;
-          if (large) on.x32[7] = 1.0e6f;  // 2^112 times it overflows fp32
+          if (large && (act != ActType::kF32 || m > 2)) continue;
+          if (large) on.x32[(m - 1) * on.w.view.cols + 7] = 1.0e6f;  // 2^112 times it overflows fp32
           Problem off = on;
           off.w.view.data = off.w.data.data();
           off.w.view.scale = off.w.scale.empty() ? nullptr : off.w.scale.data();
