@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from dsv4_ort.bench.prefill import MODES, SMOKE, prefill_flops
+from dsv4_ort.bench.prefill import MODES, SMOKE, decode_flops, prefill_flops
 
 
 def test_prefill_smoke(tmp_path, monkeypatch):
@@ -21,8 +21,15 @@ def test_prefill_smoke(tmp_path, monkeypatch):
         assert [t["tokens"] for t in m["ttft"]] == list(SMOKE["ttft"])
         assert all(t["one_call_s"] > 0 and t["chunked_s"] > 0 for t in m["ttft"])
         assert [d["batch"] for d in m["decode"]] == list(SMOKE["batches"]) and m["decode"][0]["vs_batch1"] == 1
+        # batched decode against the compute roof: one token's FLOPs cap tokens/s at every batch size
+        assert m["decode_token_gflops"] > 0 and m["decode_ceiling_vs_batch1"] > 1
+        for d in m["decode"]:
+            assert 0 < d["roof_fraction"] < 1
+            assert d["tokens_per_s"] < m["decode_ceiling_tokens_per_s"]
+            assert d["roof_fraction"] == pytest.approx(d["tokens_per_s"] / m["decode_ceiling_tokens_per_s"])
     md = (tmp_path / "r" / "prefill.md").read_text()
     assert "| prefill tokens | fp32 tok/s" in md and "| decode rows (context 64) |" in md
+    assert "Compute ceiling of batched decode" in md
 
 
 def test_prefill_flops_grow_with_the_prompt(tmp_path, monkeypatch):
@@ -38,3 +45,13 @@ def test_prefill_flops_grow_with_the_prompt(tmp_path, monkeypatch):
     assert 0 < f16 < f32 < f64 and f64 >= 4 * f16  # attention per token grows with the position
     params = weight_costs(inventory(d), read_metadata(d)["config"])["params_per_token"]
     assert f16 > 2 * params * 16 and f16 == pytest.approx(2 * params * 16, rel=0.5)
+
+
+def test_decode_flops_are_one_prefill_token(tmp_path, monkeypatch):
+    """One decoded token at position p costs what the prefill of p + 1 tokens adds over p tokens."""
+    from dsv4_ort.bench.prefill import export
+
+    monkeypatch.setenv("DSV4_ORT_CACHE", str(tmp_path / "cache"))
+    d = export("tiny", "fp32", 256, lambda msg: None)
+    for p in (0, 17, 100):
+        assert decode_flops(d, p) == pytest.approx(prefill_flops(d, p + 1) - prefill_flops(d, p))

@@ -55,6 +55,17 @@ def prefill_flops(model_dir: Path, tokens: int) -> float:
     return 2.0 * wc["params_per_token"] * tokens + attention_flops(meta["config"], range(tokens))
 
 
+def decode_flops(model_dir: Path, context: int) -> float:
+    """Multiply-adds x 2 of one decoded token at position ``context`` (bench cost model, as prefill_flops)."""
+    from dsv4_ort.runtime.session import read_metadata
+
+    from .e2e import attention_flops, inventory, weight_costs
+
+    meta = read_metadata(model_dir)
+    wc = weight_costs(inventory(model_dir), meta["config"])
+    return 2.0 * wc["params_per_token"] + attention_flops(meta["config"], [context])
+
+
 def _prefill_seconds(sess, tokens: int, chunk: int | None, repeats: int, rng) -> list:
     ids = rng.integers(0, sess.vocab_size, (1, tokens))
     out = []
@@ -66,8 +77,12 @@ def _prefill_seconds(sess, tokens: int, chunk: int | None, repeats: int, rng) ->
     return out
 
 
-def batched_decode(sess, batches, context: int, steps: int, rng) -> list:
-    """tokens/s over all rows of B-row decode steps, rows at positions context .. context - B + 1 (synthetic state)."""
+def batched_decode(sess, batches, context: int, steps: int, rng, *, token_flops: float | None = None,
+                   roof_gflops: float | None = None) -> list:
+    """tokens/s over all rows of B-row decode steps, rows at positions context .. context - B + 1 (synthetic state).
+    With ``token_flops`` (one token's FLOPs) and the mode's compute roof, each row also gets the fraction of that
+    roof it reaches: every decoded token costs the same FLOPs whatever the batch, so the roof caps tokens/s at
+    roof / token_flops for every B (the ceiling no batch size can pass)."""
     from .e2e import fill_state
 
     rows = []
@@ -84,7 +99,10 @@ def batched_decode(sess, batches, context: int, steps: int, rng) -> list:
                 times.append(time.perf_counter() - t0)
             ids = logits[:, -1].argmax(-1).reshape(B, 1)
         step = statistics.median(times)
-        rows.append({"batch": B, "step_s": step, "tokens_per_s": B / step})
+        row = {"batch": B, "step_s": step, "tokens_per_s": B / step}
+        if token_flops and roof_gflops:
+            row["roof_fraction"] = B / step * token_flops / (roof_gflops * 1e9)
+        rows.append(row)
     base = rows[0]["tokens_per_s"]
     for r in rows:
         r["vs_batch1"] = r["tokens_per_s"] / base
@@ -196,7 +214,14 @@ def run(preset: str = "bench", *, threads: int = 2, smoke: bool = False, baselin
             chunked = min(_prefill_seconds(sess, S, chunk, 1, rng))
             m["ttft"].append({"tokens": S, "one_call_s": one, "chunked_s": chunked, "chunked_vs_one": chunked / one})
             log(f"    TTFT {S:>5}: one call {one:.2f} s, chunks of {chunk} {chunked:.2f} s")
-        m["decode"] = batched_decode(sess, batches, context, 3 if smoke else DECODE_STEPS, rng)
+        token_flops = decode_flops(model_dir, context)
+        m["decode"] = batched_decode(sess, batches, context, 3 if smoke else DECODE_STEPS, rng,
+                                     token_flops=token_flops, roof_gflops=roofs[mode])
+        m["decode_token_gflops"] = token_flops / 1e9
+        if roofs[mode]:
+            # tokens/s no batch size can pass on this roof, and that as a multiple of the measured batch-1 speed
+            m["decode_ceiling_tokens_per_s"] = roofs[mode] * 1e9 / token_flops
+            m["decode_ceiling_vs_batch1"] = m["decode_ceiling_tokens_per_s"] / m["decode"][0]["tokens_per_s"]
         log("    batched decode tokens/s: " + ", ".join(f"B={r['batch']} {r['tokens_per_s']:.1f}" for r in m["decode"]))
         result["modes"][mode] = m
         del sess
@@ -248,11 +273,20 @@ def suite_markdown(r: dict) -> str:
             f"{r['modes'][m]['ttft'][i]['one_call_s']:.2f} / {r['modes'][m]['ttft'][i]['chunked_s']:.2f}"
             for m in modes) + " |")
     lines += ["", f"| decode rows (context {r['decode_context']}) | " +
-              " | ".join(f"{m} tok/s (x batch 1)" for m in modes) + " |", "|---:|" + "---:|" * len(modes)]
+              " | ".join(f"{m} tok/s (x batch 1, of its roof)" for m in modes) + " |", "|---:|" + "---:|" * len(modes)]
+
+    def cell(d: dict) -> str:
+        frac = f", {d['roof_fraction']:.2f}" if d.get("roof_fraction") else ""
+        return f"{d['tokens_per_s']:.1f} ({d['vs_batch1']:.2f}x{frac})"
+
     for i, d in enumerate(r["modes"][modes[0]]["decode"]):
-        lines.append(f"| {d['batch']} | " + " | ".join(
-            f"{r['modes'][m]['decode'][i]['tokens_per_s']:.1f} ({r['modes'][m]['decode'][i]['vs_batch1']:.2f})"
-            for m in modes) + " |")
+        lines.append(f"| {d['batch']} | " + " | ".join(cell(r["modes"][m]["decode"][i]) for m in modes) + " |")
+    ceil = [(m, r["modes"][m]) for m in modes if r["modes"][m].get("decode_ceiling_tokens_per_s")]
+    if ceil:
+        lines += ["", "Compute ceiling of batched decode (the roof / one token's "
+                  f"{ceil[0][1]['decode_token_gflops']:.2f} GFLOP; no batch size passes it): " + ", ".join(
+                      f"{m} {c['decode_ceiling_tokens_per_s']:.0f} tok/s = {c['decode_ceiling_vs_batch1']:.1f}x batch 1"
+                      for m, c in ceil) + "."]
     return "\n".join(lines) + "\n"
 
 
