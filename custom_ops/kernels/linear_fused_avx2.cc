@@ -47,21 +47,21 @@ void DotFp8Fused(const WeightView& w, const int64_t* rows, const float* x, float
   const uint8_t* src[4];
   const int64_t rb0 = rows[0] / w.block;  // rows are consecutive (or repeat the last): block rb0 or the next
   int64_t scale_row[4];
-  for (int q = 0; q < 4; ++q) {
+  DSV4_UNROLL for (int q = 0; q < 4; ++q) {
     src[q] = static_cast<const uint8_t*>(w.data) + rows[q] * kw;
     scale_row[q] = (rows[q] - rb0 * w.block < w.block ? rb0 : rb0 + 1) * scale_cols;
   }
   __m256 acc[4];
-  for (int q = 0; q < 4; ++q) acc[q] = _mm256_setzero_ps();
+  DSV4_UNROLL for (int q = 0; q < 4; ++q) acc[q] = _mm256_setzero_ps();
   __m128i nan_seen = _mm_setzero_si128();
   const __m256 two8 = _mm256_set1_ps(256.0f);
   for (int64_t b = 0; b < scale_cols; ++b) {
     __m256 blk[4];
-    for (int q = 0; q < 4; ++q) blk[q] = _mm256_setzero_ps();
+    DSV4_UNROLL for (int q = 0; q < 4; ++q) blk[q] = _mm256_setzero_ps();
     const int64_t k1 = (b + 1) * w.block < kw ? (b + 1) * w.block : kw;
     for (int64_t k = b * w.block; k < k1; k += 16) {
       const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
-      for (int q = 0; q < 4; ++q) {
+      DSV4_UNROLL for (int q = 0; q < 4; ++q) {
         if ((k & 63) == 0) _mm_prefetch(PrefetchTarget(src[q], k, kw), _MM_HINT_T0);
         __m128i codes;
         if (k1 - k >= 16) {
@@ -78,17 +78,17 @@ void DotFp8Fused(const WeightView& w, const int64_t* rows, const float* x, float
         blk[q] = _mm256_fmadd_ps(hi, x1, blk[q]);
       }
     }
-    for (int q = 0; q < 4; ++q) {
+    DSV4_UNROLL for (int q = 0; q < 4; ++q) {
       const int64_t s = scale_row[q] + b;
       const float scale =
           e8m0 ? E8M0ToF32(static_cast<const uint8_t*>(w.scale)[s]) : static_cast<const float*>(w.scale)[s];
       acc[q] = _mm256_fmadd_ps(_mm256_mul_ps(blk[q], two8), _mm256_set1_ps(scale), acc[q]);
     }
   }
-  for (int q = 0; q < 4; ++q) res[q] = Hsum(acc[q]);
+  DSV4_UNROLL for (int q = 0; q < 4; ++q) res[q] = Hsum(acc[q]);
   if constexpr (!kFinite) {
     if (_mm_movemask_epi8(_mm_cmpeq_epi8(nan_seen, _mm_set1_epi8(static_cast<char>(0xFE)))) != 0) {
-      for (int q = 0; q < 4; ++q) {
+      DSV4_UNROLL for (int q = 0; q < 4; ++q) {
         for (int64_t k = 0; k < kw; ++k) {
           if ((src[q][k] & 0x7F) == 0x7F) {
             res[q] = __builtin_nanf("");
@@ -106,7 +106,7 @@ void RowsFp8Fused(const float* x, int64_t xs, int64_t m, const WeightView& w, in
                   const MatOut& out) {
   for (int64_t r0 = n0; r0 < n1; r0 += 4) {
     int64_t rows[4];
-    for (int q = 0; q < 4; ++q) rows[q] = r0 + q < n1 ? r0 + q : n1 - 1;
+    DSV4_UNROLL for (int q = 0; q < 4; ++q) rows[q] = r0 + q < n1 ? r0 + q : n1 - 1;
     for (int64_t i = 0; i < m; ++i) {  // each activation row on its own: the four weight rows stay in L1 / L2
       float res[4];
       if (w.fp8_finite) {
@@ -145,18 +145,18 @@ void DotFp4Fused(const WeightView& w, const int64_t* rows, const float* x, int64
   const int64_t kw = w.cols, row_bytes = kw / 2, blocks = kw / kFp4Block;
   const uint8_t* src[R];
   const uint8_t* scales[R];
-  for (int q = 0; q < R; ++q) {
+  DSV4_UNROLL for (int q = 0; q < R; ++q) {
     src[q] = static_cast<const uint8_t*>(w.data) + rows[q] * row_bytes;
     scales[q] = static_cast<const uint8_t*>(w.scale) + rows[q] * blocks;
   }
   const __m256 magnitudes = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
   const __m256i comp = _mm256_setr_epi32(0, 1 << 28, 2 << 28, 3 << 28, 4 << 28, 5 << 28, 6 << 28, 7 << 28);
   __m256 acc[MR][R];
-  for (int i = 0; i < MR; ++i)
-    for (int q = 0; q < R; ++q) acc[i][q] = _mm256_setzero_ps();
+  DSV4_UNROLL for (int i = 0; i < MR; ++i)
+    DSV4_UNROLL for (int q = 0; q < R; ++q) acc[i][q] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t k = b * kFp4Block;
-    for (int q = 0; q < R; ++q) {
+    DSV4_UNROLL for (int q = 0; q < R; ++q) {
       if ((b & 3) == 0) _mm_prefetch(PrefetchTarget(src[q], k / 2, row_bytes), _MM_HINT_T0);
       const __m256 table = _mm256_castsi256_ps(_mm256_xor_si256(
           _mm256_castps_si256(_mm256_mul_ps(magnitudes, _mm256_set1_ps(E8M0ToF32(scales[q][b])))), comp));
@@ -167,7 +167,7 @@ void DotFp4Fused(const WeightView& w, const int64_t* rows, const float* x, int64
             _mm256_xor_si256(_mm256_castps_si256(_mm256_permutevar8x32_ps(table, d)), _mm256_slli_epi32(d, 28)));
         const __m256 odd = _mm256_castsi256_ps(
             _mm256_xor_si256(_mm256_castps_si256(_mm256_permutevar8x32_ps(table, e)), _mm256_slli_epi32(e, 28)));
-        for (int i = 0; i < MR; ++i) {
+        DSV4_UNROLL for (int i = 0; i < MR; ++i) {
           const float* xi = x + i * xs + k + 16 * h;
           acc[i][q] = _mm256_fmadd_ps(even, _mm256_loadu_ps(xi), acc[i][q]);
           acc[i][q] = _mm256_fmadd_ps(odd, _mm256_loadu_ps(xi + 8), acc[i][q]);
@@ -175,8 +175,8 @@ void DotFp4Fused(const WeightView& w, const int64_t* rows, const float* x, int64
       }
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int q = 0; q < R; ++q) res[i][q] = Hsum(acc[i][q]);
+  DSV4_UNROLL for (int i = 0; i < MR; ++i)
+    DSV4_UNROLL for (int q = 0; q < R; ++q) res[i][q] = Hsum(acc[i][q]);
 }
 
 }  // namespace
@@ -186,7 +186,7 @@ void RowsFp4Fused(const float* x, int64_t xs, int64_t m, const WeightView& w, in
   const int64_t step = m <= 2 ? 4 : 2;
   for (int64_t r0 = n0; r0 < n1; r0 += step) {
     int64_t rows[4];
-    for (int q = 0; q < 4; ++q) rows[q] = r0 + q < n1 ? r0 + q : n1 - 1;
+    DSV4_UNROLL for (int q = 0; q < 4; ++q) rows[q] = r0 + q < n1 ? r0 + q : n1 - 1;
     float res[4][4];
     switch (m) {
       case 1: DotFp4Fused<4, 1>(w, rows, x, xs, res); break;

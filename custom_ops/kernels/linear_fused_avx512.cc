@@ -43,17 +43,17 @@ struct Fp4Rows {
 template <int MR>
 void DotFp4Bf16(const Fp4Rows& w, int64_t kw, const uint16_t* x, int64_t xs, float res[][4]) {
   __m512 acc[MR][4];
-  for (int i = 0; i < MR; ++i)
-    for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_setzero_ps();
+  DSV4_UNROLL for (int i = 0; i < MR; ++i)
+    DSV4_UNROLL for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_setzero_ps();
   for (int64_t c = 0; c < kw / 32; ++c) {
     __m512bh a[4];
-    for (int q = 0; q < 4; ++q) {
+    DSV4_UNROLL for (int q = 0; q < 4; ++q) {
       if ((c & 3) == 0) _mm_prefetch(PrefetchTarget(w.src[q], c * 16, w.row_bytes, kPrefetchFp4), _MM_HINT_T0);
       a[q] = AsBh(w.Bf16(q, c));
     }
-    for (int i = 0; i < MR; ++i) {
+    DSV4_UNROLL for (int i = 0; i < MR; ++i) {
       const __m512bh xv = AsBh(_mm512_loadu_si512(x + i * xs + c * 32));
-      for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], a[q], xv);
+      DSV4_UNROLL for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], a[q], xv);
     }
   }
   StoreSums<MR, 4>(acc, res, 0);
@@ -63,17 +63,17 @@ void DotFp4Bf16(const Fp4Rows& w, int64_t kw, const uint16_t* x, int64_t xs, flo
 template <int MR>
 void DotFp4F32(const Fp4Rows& w, int64_t kw, const float* x, int64_t xs, float res[][4]) {
   __m512 acc[MR][4];
-  for (int i = 0; i < MR; ++i)
-    for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_setzero_ps();
+  DSV4_UNROLL for (int i = 0; i < MR; ++i)
+    DSV4_UNROLL for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_setzero_ps();
   for (int64_t c = 0; c < kw / 32; ++c) {
     __m512 we[4], wo[4];
-    for (int q = 0; q < 4; ++q) {
+    DSV4_UNROLL for (int q = 0; q < 4; ++q) {
       if ((c & 3) == 0) _mm_prefetch(PrefetchTarget(w.src[q], c * 16, w.row_bytes, kPrefetchFp4), _MM_HINT_T0);
       w.F32(q, c, &we[q], &wo[q]);
     }
-    for (int i = 0; i < MR; ++i) {
+    DSV4_UNROLL for (int i = 0; i < MR; ++i) {
       const __m512 xe = _mm512_loadu_ps(x + i * xs + c * 32), xo = _mm512_loadu_ps(x + i * xs + c * 32 + 16);
-      for (int q = 0; q < 4; ++q) {
+      DSV4_UNROLL for (int q = 0; q < 4; ++q) {
         acc[i][q] = _mm512_fmadd_ps(we[q], xe, acc[i][q]);
         acc[i][q] = _mm512_fmadd_ps(wo[q], xo, acc[i][q]);
       }
@@ -179,13 +179,13 @@ void DotFp8(const WeightView& w, const int64_t* rows, const void* xv, int64_t xs
   int64_t scale_row[4];
   // rows[0] <= rows[q] < rows[0] + NQ <= rows[0] + block: row block rb0 or the next (one division per group)
   const int64_t rb0 = rows[0] / w.block;
-  for (int q = 0; q < NQ; ++q) {
+  DSV4_UNROLL for (int q = 0; q < NQ; ++q) {
     src[q] = static_cast<const uint8_t*>(w.data) + rows[q] * kw;
     scale_row[q] = (rows[q] - rb0 * w.block < w.block ? rb0 : rb0 + 1) * scale_cols;
   }
   __m512 acc[MR][4];
-  for (int i = 0; i < MR; ++i)
-    for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_setzero_ps();
+  DSV4_UNROLL for (int i = 0; i < MR; ++i)
+    DSV4_UNROLL for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_setzero_ps();
   __m256i nan_seen = _mm256_setzero_si256();
   const __m512 e8 = _mm512_set1_ps(8.0f);
   // bf16 products folded (E8M0 scales only, FoldsFp8): the codes go to bf16 directly (Fp8ToBf16), exact values,
@@ -195,15 +195,15 @@ void DotFp8(const WeightView& w, const int64_t* rows, const void* xv, int64_t xs
     // E8M0 byte e: the exponent e - 127 + 8 for VSCALEFPS (the 2^8 the fp16 route leaves out; e - 127 on the direct
     // bf16 route); fp32: the scale.
     __m512 sv[4];
-    for (int q = 0; q < NQ; ++q) {  // broadcasts from memory (no conversion in the loop)
+    DSV4_UNROLL for (int q = 0; q < NQ; ++q) {  // broadcasts from memory (no conversion in the loop)
       sv[q] = e8m0 ? _mm512_set1_ps(kScalefExponent.e[static_cast<const uint8_t*>(w.scale)[scale_row[q] + b]] -
                                     (kDirectBf16 ? 8.0f : 0.0f))
                    : _mm512_set1_ps(static_cast<const float*>(w.scale)[scale_row[q] + b]);
     }
     __m512 blk[MR][4];
     if constexpr (kFold) {
-      for (int i = 0; i < MR; ++i)
-        for (int q = 0; q < NQ; ++q) blk[i][q] = _mm512_setzero_ps();
+      DSV4_UNROLL for (int i = 0; i < MR; ++i)
+        DSV4_UNROLL for (int q = 0; q < NQ; ++q) blk[i][q] = _mm512_setzero_ps();
     }
     __m512(&sum)[MR][4] = *(kFold ? &blk : &acc);  // where the chunk products go
     const int64_t k1 = (b + 1) * w.block < kw ? (b + 1) * w.block : kw;
@@ -211,7 +211,7 @@ void DotFp8(const WeightView& w, const int64_t* rows, const void* xv, int64_t xs
       const int64_t valid = k1 - k;
       __m512 lo[4], hi[4];
       __m512bh direct[4];
-      for (int q = 0; q < NQ; ++q) {
+      DSV4_UNROLL for (int q = 0; q < NQ; ++q) {
         if (NQ > 1 && (k & 63) == 0) _mm_prefetch(PrefetchTarget(src[q], k, kw, kPrefetchFp8, NQ), _MM_HINT_T0);
         const __m256i codes = valid >= 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[q] + k))
                                           : _mm256_maskz_loadu_epi8(Mask32(valid), src[q] + k);
@@ -240,22 +240,22 @@ void DotFp8(const WeightView& w, const int64_t* rows, const void* xv, int64_t xs
       if constexpr (kBf16Act) {
         const uint16_t* x = static_cast<const uint16_t*>(xv);
         __m512bh a[4];
-        for (int q = 0; q < NQ; ++q) {
+        DSV4_UNROLL for (int q = 0; q < NQ; ++q) {
           if constexpr (kDirectBf16) {
             a[q] = direct[q];
           } else {
             a[q] = _mm512_cvtne2ps_pbh(hi[q], lo[q]);
           }
         }
-        for (int i = 0; i < MR; ++i) {
+        DSV4_UNROLL for (int i = 0; i < MR; ++i) {
           const __m512bh xb = AsBh(_mm512_loadu_si512(x + i * xs + k));
-          for (int q = 0; q < NQ; ++q) sum[i][q] = _mm512_dpbf16_ps(sum[i][q], a[q], xb);
+          DSV4_UNROLL for (int q = 0; q < NQ; ++q) sum[i][q] = _mm512_dpbf16_ps(sum[i][q], a[q], xb);
         }
       } else {
         const float* x = static_cast<const float*>(xv);
-        for (int i = 0; i < MR; ++i) {
+        DSV4_UNROLL for (int i = 0; i < MR; ++i) {
           const __m512 x0 = _mm512_loadu_ps(x + i * xs + k), x1 = _mm512_loadu_ps(x + i * xs + k + 16);
-          for (int q = 0; q < NQ; ++q) {
+          DSV4_UNROLL for (int q = 0; q < NQ; ++q) {
             sum[i][q] = _mm512_fmadd_ps(lo[q], x0, sum[i][q]);
             sum[i][q] = _mm512_fmadd_ps(hi[q], x1, sum[i][q]);
           }
@@ -263,8 +263,8 @@ void DotFp8(const WeightView& w, const int64_t* rows, const void* xv, int64_t xs
       }
     }
     if constexpr (kFold) {
-      for (int i = 0; i < MR; ++i) {
-        for (int q = 0; q < NQ; ++q) {
+      DSV4_UNROLL for (int i = 0; i < MR; ++i) {
+        DSV4_UNROLL for (int q = 0; q < NQ; ++q) {
           acc[i][q] = e8m0 ? _mm512_add_ps(acc[i][q], _mm512_scalef_ps(blk[i][q], sv[q]))
                            : _mm512_fmadd_ps(_mm512_scalef_ps(blk[i][q], e8), sv[q], acc[i][q]);
         }
@@ -274,9 +274,9 @@ void DotFp8(const WeightView& w, const int64_t* rows, const void* xv, int64_t xs
   StoreSums<MR, NQ>(acc, res, q0);
   if constexpr (!kFinite) {
     if (Fp8SawNan(nan_seen)) {
-      for (int q = 0; q < NQ; ++q) {
+      DSV4_UNROLL for (int q = 0; q < NQ; ++q) {
         if (!Fp8RowHasNan(src[q], kw)) continue;
-        for (int i = 0; i < MR; ++i) res[i][q0 + q] = __builtin_nanf("");
+        DSV4_UNROLL for (int i = 0; i < MR; ++i) res[i][q0 + q] = __builtin_nanf("");
       }
     }
   }

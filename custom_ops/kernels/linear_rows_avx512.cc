@@ -146,27 +146,27 @@ template <int MR, int NQ>
 void DotBf16(const uint16_t* const* w, int64_t kw, const uint16_t* x, int64_t xs, bool prefetch, float res[][4],
              int q0) {
   __m512 acc[MR][4];
-  for (int i = 0; i < MR; ++i)
-    for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_setzero_ps();
+  DSV4_UNROLL for (int i = 0; i < MR; ++i)
+    DSV4_UNROLL for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 32 <= kw; k += 32) {
     __m512bh a[4];
-    for (int q = 0; q < NQ; ++q) {
+    DSV4_UNROLL for (int q = 0; q < NQ; ++q) {
       if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w[q] + k) + kPrefetchBytes, _MM_HINT_T0);
       a[q] = AsBh(_mm512_loadu_si512(w[q] + k));
     }
-    for (int i = 0; i < MR; ++i) {
+    DSV4_UNROLL for (int i = 0; i < MR; ++i) {
       const __m512bh xv = AsBh(_mm512_loadu_si512(x + i * xs + k));
-      for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], a[q], xv);
+      DSV4_UNROLL for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], a[q], xv);
     }
   }
   if (k < kw) {
     const __mmask32 mask = Mask32(kw - k);
     __m512bh a[4];
-    for (int q = 0; q < NQ; ++q) a[q] = AsBh(_mm512_maskz_loadu_epi16(mask, w[q] + k));
-    for (int i = 0; i < MR; ++i) {
+    DSV4_UNROLL for (int q = 0; q < NQ; ++q) a[q] = AsBh(_mm512_maskz_loadu_epi16(mask, w[q] + k));
+    DSV4_UNROLL for (int i = 0; i < MR; ++i) {
       const __m512bh xv = AsBh(_mm512_loadu_si512(x + i * xs + k));
-      for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], a[q], xv);
+      DSV4_UNROLL for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], a[q], xv);
     }
   }
   StoreSums<MR, NQ>(acc, res, q0);
@@ -177,21 +177,21 @@ template <int MR, int NQ>
 void DotF32Bf16(const uint16_t* const* w, int64_t kw, const float* x, int64_t xs, bool prefetch, float res[][4],
                 int q0) {
   __m512 acc[MR][4];
-  for (int i = 0; i < MR; ++i)
-    for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_setzero_ps();
+  DSV4_UNROLL for (int i = 0; i < MR; ++i)
+    DSV4_UNROLL for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_setzero_ps();
   const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t k = 0; k < kw; k += 32) {
     const __mmask32 mask = Mask32(kw - k);
     __m512 we[4], wo[4];
-    for (int q = 0; q < NQ; ++q) {
+    DSV4_UNROLL for (int q = 0; q < NQ; ++q) {
       if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w[q] + k) + kPrefetchBytes, _MM_HINT_T0);
       const __m512i v = _mm512_maskz_loadu_epi16(mask, w[q] + k);
       we[q] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
       wo[q] = _mm512_castsi512_ps(_mm512_and_si512(v, odd_mask));
     }
-    for (int i = 0; i < MR; ++i) {
+    DSV4_UNROLL for (int i = 0; i < MR; ++i) {
       const __m512 xe = _mm512_loadu_ps(x + i * xs + k), xo = _mm512_loadu_ps(x + i * xs + k + 16);
-      for (int q = 0; q < NQ; ++q) {
+      DSV4_UNROLL for (int q = 0; q < NQ; ++q) {
         acc[i][q] = _mm512_fmadd_ps(we[q], xe, acc[i][q]);
         acc[i][q] = _mm512_fmadd_ps(wo[q], xo, acc[i][q]);
       }
@@ -204,18 +204,18 @@ void DotF32Bf16(const uint16_t* const* w, int64_t kw, const float* x, int64_t xs
 template <int MR, int NQ>
 void DotF32(const float* const* w, int64_t kw, const float* x, int64_t xs, bool prefetch, float res[][4], int q0) {
   __m512 acc[MR][4];
-  for (int i = 0; i < MR; ++i)
-    for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_setzero_ps();
+  DSV4_UNROLL for (int i = 0; i < MR; ++i)
+    DSV4_UNROLL for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_setzero_ps();
   for (int64_t k = 0; k < kw; k += 16) {
     const __mmask16 mask = TailMask(kw - k);
     __m512 a[4];
-    for (int q = 0; q < NQ; ++q) {
+    DSV4_UNROLL for (int q = 0; q < NQ; ++q) {
       if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w[q] + k) + kPrefetchBytes, _MM_HINT_T0);
       a[q] = _mm512_maskz_loadu_ps(mask, w[q] + k);
     }
-    for (int i = 0; i < MR; ++i) {
+    DSV4_UNROLL for (int i = 0; i < MR; ++i) {
       const __m512 xv = _mm512_loadu_ps(x + i * xs + k);
-      for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_fmadd_ps(a[q], xv, acc[i][q]);
+      DSV4_UNROLL for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_fmadd_ps(a[q], xv, acc[i][q]);
     }
   }
   StoreSums<MR, NQ>(acc, res, q0);
