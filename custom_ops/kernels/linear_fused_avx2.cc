@@ -47,7 +47,7 @@ void DotFp8Fused(const WeightView& w, const int64_t* rows, const float* x, float
   const uint8_t* src[4];
   const int64_t rb0 = rows[0] / w.block;  // rows are consecutive (or repeat the last): block rb0 or the next
   int64_t scale_row[4];
-  DSV4_UNROLL for (int q = 0; q < 4; ++q) {
+  for (int q = 0; q < 4; ++q) {
     src[q] = static_cast<const uint8_t*>(w.data) + rows[q] * kw;
     scale_row[q] = (rows[q] - rb0 * w.block < w.block ? rb0 : rb0 + 1) * scale_cols;
   }
@@ -88,7 +88,7 @@ void DotFp8Fused(const WeightView& w, const int64_t* rows, const float* x, float
   DSV4_UNROLL for (int q = 0; q < 4; ++q) res[q] = Hsum(acc[q]);
   if constexpr (!kFinite) {
     if (_mm_movemask_epi8(_mm_cmpeq_epi8(nan_seen, _mm_set1_epi8(static_cast<char>(0xFE)))) != 0) {
-      DSV4_UNROLL for (int q = 0; q < 4; ++q) {
+      for (int q = 0; q < 4; ++q) {
         for (int64_t k = 0; k < kw; ++k) {
           if ((src[q][k] & 0x7F) == 0x7F) {
             res[q] = __builtin_nanf("");
@@ -106,7 +106,7 @@ void RowsFp8Fused(const float* x, int64_t xs, int64_t m, const WeightView& w, in
                   const MatOut& out) {
   for (int64_t r0 = n0; r0 < n1; r0 += 4) {
     int64_t rows[4];
-    DSV4_UNROLL for (int q = 0; q < 4; ++q) rows[q] = r0 + q < n1 ? r0 + q : n1 - 1;
+    for (int q = 0; q < 4; ++q) rows[q] = r0 + q < n1 ? r0 + q : n1 - 1;
     for (int64_t i = 0; i < m; ++i) {  // each activation row on its own: the four weight rows stay in L1 / L2
       float res[4];
       if (w.fp8_finite) {
@@ -145,7 +145,7 @@ void DotFp4Fused(const WeightView& w, const int64_t* rows, const float* x, int64
   const int64_t kw = w.cols, row_bytes = kw / 2, blocks = kw / kFp4Block;
   const uint8_t* src[R];
   const uint8_t* scales[R];
-  DSV4_UNROLL for (int q = 0; q < R; ++q) {
+  for (int q = 0; q < R; ++q) {
     src[q] = static_cast<const uint8_t*>(w.data) + rows[q] * row_bytes;
     scales[q] = static_cast<const uint8_t*>(w.scale) + rows[q] * blocks;
   }
@@ -186,7 +186,7 @@ void RowsFp4Fused(const float* x, int64_t xs, int64_t m, const WeightView& w, in
   const int64_t step = m <= 2 ? 4 : 2;
   for (int64_t r0 = n0; r0 < n1; r0 += step) {
     int64_t rows[4];
-    DSV4_UNROLL for (int q = 0; q < 4; ++q) rows[q] = r0 + q < n1 ? r0 + q : n1 - 1;
+    for (int q = 0; q < 4; ++q) rows[q] = r0 + q < n1 ? r0 + q : n1 - 1;
     float res[4][4];
     switch (m) {
       case 1: DotFp4Fused<4, 1>(w, rows, x, xs, res); break;

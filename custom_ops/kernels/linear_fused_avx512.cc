@@ -179,7 +179,7 @@ void DotFp8(const WeightView& w, const int64_t* rows, const void* xv, int64_t xs
   int64_t scale_row[4];
   // rows[0] <= rows[q] < rows[0] + NQ <= rows[0] + block: row block rb0 or the next (one division per group)
   const int64_t rb0 = rows[0] / w.block;
-  DSV4_UNROLL for (int q = 0; q < NQ; ++q) {
+  for (int q = 0; q < NQ; ++q) {
     src[q] = static_cast<const uint8_t*>(w.data) + rows[q] * kw;
     scale_row[q] = (rows[q] - rb0 * w.block < w.block ? rb0 : rb0 + 1) * scale_cols;
   }
@@ -274,9 +274,9 @@ void DotFp8(const WeightView& w, const int64_t* rows, const void* xv, int64_t xs
   StoreSums<MR, NQ>(acc, res, q0);
   if constexpr (!kFinite) {
     if (Fp8SawNan(nan_seen)) {
-      DSV4_UNROLL for (int q = 0; q < NQ; ++q) {
+      for (int q = 0; q < NQ; ++q) {
         if (!Fp8RowHasNan(src[q], kw)) continue;
-        DSV4_UNROLL for (int i = 0; i < MR; ++i) res[i][q0 + q] = __builtin_nanf("");
+        for (int i = 0; i < MR; ++i) res[i][q0 + q] = __builtin_nanf("");
       }
     }
   }

@@ -258,7 +258,7 @@ void RowsBlock(const W* base, int64_t stride, int64_t rows, int64_t kw, const fl
     const int mr = static_cast<int>(m - m0 < 4 ? m - m0 : 4);
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
       const W* w[4];
-      DSV4_UNROLL for (int q = 0; q < 4; ++q) w[q] = base + (r0 + q < rows ? r0 + q : rows - 1) * stride;
+      for (int q = 0; q < 4; ++q) w[q] = base + (r0 + q < rows ? r0 + q : rows - 1) * stride;
       float res[4][4];
       Dot(mr, w, kw, x + m0 * xs, xs, res);
       const int64_t cols = rows - r0 < 4 ? rows - r0 : 4;
