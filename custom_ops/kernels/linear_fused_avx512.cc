@@ -460,6 +460,9 @@ void RowsFused(ActType act, const void* xp, int64_t m, const WeightView& w, int6
   // same four weight rows (batch invariance), those sit in L1 after the first pair and four side by side on the fp16
   // route measured faster (bench preset, 16-row batch-invariant fp32 decode step: 239 ms against 246 with every
   // pair on the integer route, AMD EPYC family 0x19 model 0x11).
+  // The scaled copy is made here, per task, not once per call: MXCSR.DAZ, which decides whether the route is exact,
+  // belongs to the thread that runs the products (at most 2048 floats, a few hundred cycles). The padded size is
+  // checked again because it bounds the stack buffer (Fp32OneRow counts the unpadded columns).
   alignas(64) float scaled_buf[kFp8OneRowXBytes / sizeof(float)];
   const float* x_scaled = nullptr;
   if (act == ActType::kF32 && m <= 2 && Fp32OneRow(w, m) &&

@@ -165,12 +165,12 @@ namespace {
 template <int R, int MR>
 void DotBf16Rows(const uint16_t* const* w, int64_t kw, const float* x, int64_t xs, float res[][4]) {
   __m256 acc[MR][R];
-  DSV4_UNROLL for (int i = 0; i < MR; ++i)
-    DSV4_UNROLL for (int q = 0; q < R; ++q) acc[i][q] = _mm256_setzero_ps();
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < R; ++q) acc[i][q] = _mm256_setzero_ps();
   const __m256i odd_mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t k = 0; k < kw; k += 16) {
     __m256 we[R], wo[R];
-    DSV4_UNROLL for (int q = 0; q < R; ++q) {
+    for (int q = 0; q < R; ++q) {
       __m256i v;
       if (k + 16 <= kw) {
         v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[q] + k));
@@ -182,38 +182,38 @@ void DotBf16Rows(const uint16_t* const* w, int64_t kw, const float* x, int64_t x
       we[q] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
       wo[q] = _mm256_castsi256_ps(_mm256_and_si256(v, odd_mask));
     }
-    DSV4_UNROLL for (int i = 0; i < MR; ++i) {
+    for (int i = 0; i < MR; ++i) {
       const __m256 xe = _mm256_loadu_ps(x + i * xs + k), xo = _mm256_loadu_ps(x + i * xs + k + 8);
-      DSV4_UNROLL for (int q = 0; q < R; ++q) {
+      for (int q = 0; q < R; ++q) {
         acc[i][q] = _mm256_fmadd_ps(we[q], xe, acc[i][q]);
         acc[i][q] = _mm256_fmadd_ps(wo[q], xo, acc[i][q]);
       }
     }
   }
-  DSV4_UNROLL for (int i = 0; i < MR; ++i)
-    DSV4_UNROLL for (int q = 0; q < R; ++q) res[i][q] = Hsum(acc[i][q]);
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < R; ++q) res[i][q] = Hsum(acc[i][q]);
 }
 
 template <int R, int MR>
 void DotF32Rows(const float* const* w, int64_t kw, const float* x, int64_t xs, float res[][4]) {
   __m256 acc[MR][R];
-  DSV4_UNROLL for (int i = 0; i < MR; ++i)
-    DSV4_UNROLL for (int q = 0; q < R; ++q) acc[i][q] = _mm256_setzero_ps();
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < R; ++q) acc[i][q] = _mm256_setzero_ps();
   for (int64_t k = 0; k < kw; k += 8) {
     __m256 a[R];
     if (k + 8 <= kw) {
-      DSV4_UNROLL for (int q = 0; q < R; ++q) a[q] = _mm256_loadu_ps(w[q] + k);
+      for (int q = 0; q < R; ++q) a[q] = _mm256_loadu_ps(w[q] + k);
     } else {
       const __m256i mask = LaneMask(kw - k);
-      DSV4_UNROLL for (int q = 0; q < R; ++q) a[q] = _mm256_maskload_ps(w[q] + k, mask);
+      for (int q = 0; q < R; ++q) a[q] = _mm256_maskload_ps(w[q] + k, mask);
     }
-    DSV4_UNROLL for (int i = 0; i < MR; ++i) {
+    for (int i = 0; i < MR; ++i) {
       const __m256 xv = _mm256_loadu_ps(x + i * xs + k);
-      DSV4_UNROLL for (int q = 0; q < R; ++q) acc[i][q] = _mm256_fmadd_ps(a[q], xv, acc[i][q]);
+      for (int q = 0; q < R; ++q) acc[i][q] = _mm256_fmadd_ps(a[q], xv, acc[i][q]);
     }
   }
-  DSV4_UNROLL for (int i = 0; i < MR; ++i)
-    DSV4_UNROLL for (int q = 0; q < R; ++q) res[i][q] = Hsum(acc[i][q]);
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < R; ++q) res[i][q] = Hsum(acc[i][q]);
 }
 
 // Four weight rows (two passes of two when MR > 1, to stay within 16 registers).

@@ -12,8 +12,8 @@
 //      rounded projection into the fp32 accumulator of each token.
 // A single decode step (6 experts of 256, one token) is one batch: stage 2 has 6 x I / kWideRows items and stage 4
 // one block of d rows per task, so every core streams long runs of weight rows. Each expert takes the tiles path
-// when it has at least the level's tile_min_rows tokens. Results do not depend on the thread count (fixed per-output operation order, experts
-// added in ascending order).
+// when it has at least the level's tile_min_rows tokens. Results do not depend on the thread count (fixed
+// per-output operation order, experts added in ascending order).
 #include <algorithm>
 #include <cassert>
 #include <vector>

@@ -44,26 +44,27 @@ def export(preset: str, compute: str, max_seq_len: int, log) -> Path:
                          max_seq_len=max_seq_len, logits="last", compute=compute)
 
 
-def prefill_flops(model_dir: Path, tokens: int) -> float:
-    """Multiply-adds x 2 of a prefill of ``tokens`` tokens from position 0 (bench cost model)."""
+def positions_flops(model_dir: Path, positions) -> float:
+    """Multiply-adds x 2 of the tokens at the given positions (bench cost model: every weight a token multiplies,
+    the routed experts it picks, attention over the keys it sees)."""
     from dsv4_ort.runtime.session import read_metadata
 
     from .e2e import attention_flops, inventory, weight_costs
 
     meta = read_metadata(model_dir)
+    positions = list(positions)
     wc = weight_costs(inventory(model_dir), meta["config"])
-    return 2.0 * wc["params_per_token"] * tokens + attention_flops(meta["config"], range(tokens))
+    return 2.0 * wc["params_per_token"] * len(positions) + attention_flops(meta["config"], positions)
+
+
+def prefill_flops(model_dir: Path, tokens: int) -> float:
+    """FLOPs of a prefill of ``tokens`` tokens from position 0."""
+    return positions_flops(model_dir, range(tokens))
 
 
 def decode_flops(model_dir: Path, context: int) -> float:
-    """Multiply-adds x 2 of one decoded token at position ``context`` (bench cost model, as prefill_flops)."""
-    from dsv4_ort.runtime.session import read_metadata
-
-    from .e2e import attention_flops, inventory, weight_costs
-
-    meta = read_metadata(model_dir)
-    wc = weight_costs(inventory(model_dir), meta["config"])
-    return 2.0 * wc["params_per_token"] + attention_flops(meta["config"], [context])
+    """FLOPs of one decoded token at position ``context``."""
+    return positions_flops(model_dir, [context])
 
 
 def _prefill_seconds(sess, tokens: int, chunk: int | None, repeats: int, rng) -> list:
