@@ -65,8 +65,8 @@ struct WeightView {
   // rows side by side). Set by the ops from the session's plan (FamilyPlan::weight_prefetch): on where the hardware
   // prefetchers alone keep too few lines in flight (measured on an Intel Xeon), off on AMD Zen 4, whose prefetchers
   // stream those rows faster without it (and faster still one row at a time: the AVX512 rows path does that for
-  // calls of up to four rows when this is off). The FP8 / FP4 decode loops always prefetch (a gain on both). Results
-  // do not depend on it.
+  // one small activation row when this is off, and prefetches whole blocks of rows two ahead for the other calls).
+  // The FP8 / FP4 decode loops always prefetch (a gain on both). Results do not depend on it.
   bool prefetch = true;
 };
 

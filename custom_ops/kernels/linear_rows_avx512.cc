@@ -9,12 +9,12 @@
 //                      16-bit shift, the odd ones by a mask, so the activations are prepared as [16 even columns,
 //                      16 odd columns] per chunk and each chunk takes two FMAs; fp32 weight rows take one FMA per
 //                      16 columns against activations as stored.
-// bf16 and fp32 weights are read in place (bf16 rows one at a time where the plan turns the software prefetch off and
-// the activations are small: one_row). Other rows are decoded into scratch first, four at a time when there
-// are at most four activation rows (the decode path: each weight byte read once, the scratch stays in L1/L2) and
-// 64 at a time otherwise (decoded once, reused for every group of four activation rows); the FP8 / FP4 decoding is
-// described in linear_common_avx512.inc. FP8 / FP4 weights against at most four activation rows take the
-// in-register decode path instead (linear_fused_avx512.cc).
+// bf16 and fp32 weights are read in place (where the plan turns the per-row software prefetch off: one bf16 row at a
+// time against one small activation row, else side by side with a prefetch of the block two ahead). Other rows are
+// decoded into scratch first, four at a time when there are at most four activation rows (the decode path: each
+// weight byte read once, the scratch stays in L1/L2) and 64 at a time otherwise (decoded once, reused for every
+// group of four activation rows); the FP8 / FP4 decoding is described in linear_common_avx512.inc. FP8 / FP4
+// weights against at most four activation rows take the in-register decode path instead (linear_fused_avx512.cc).
 // fp32 activations meet FP4 rows as bf16 (exact) and FP8 rows as fp32 (an FP8 value times a small scale can be a
 // denormal that bf16 cannot hold).
 // Horizontal sums, decoding and stores do not depend on how rows are grouped, so results are independent of the
@@ -139,12 +139,32 @@ void DecodeRowsF32(const WeightView& w, int64_t n0, int64_t rows, int64_t kp, fl
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Inner loops: res[i][q0 + q] = sum_k x_i[k] * w_q[k] for NQ weight rows (4, or 1: one_row below) and MR
+// Block-ahead prefetch of weight rows read in place, where the plan turns the per-row software prefetch off (AMD Zen
+// 4) and several groups of activation rows reuse each weight block: without it the first group's dot products wait
+// on DRAM while the later groups compute from L1 / L2 with nothing in flight. Each k step of every dot product over
+// the current block issues `per` prefetches (into L2) of the block two ahead, so the whole of it is requested by the
+// time the current block is done. Standalone, one core, bf16 head rows 65536 x 2048 from DRAM against 16 / 8 bf16
+// activation rows in groups of four: 2.23 / 2.9 -> 1.71 / 2.12 cycles per VDPBF16PS (one block ahead: 1.78 / 2.08;
+// the L1 hint: slower than none, the block and the activations already fill L1). Prefetches change no result.
+struct Ahead {
+  const char* next = nullptr;  // next line to request
+  const char* end = nullptr;   // one past the last line of the range
+  int per = 0;                 // lines per k step (0: off)
+
+  void Step() {
+    for (int j = 0; j < per; ++j) {
+      if (next < end) _mm_prefetch(next, _MM_HINT_T1);
+      next += 64;
+    }
+  }
+};
+
+// Inner loops: res[i][q0 + q] = sum_k x_i[k] * w_q[k] for NQ weight rows (4, or 1: single below) and MR
 // activation rows; an accumulator's operation sequence does not depend on NQ.
 
 template <int MR, int NQ>
-void DotBf16(const uint16_t* const* w, int64_t kw, const uint16_t* x, int64_t xs, bool prefetch, float res[][4],
-             int q0) {
+void DotBf16(const uint16_t* const* w, int64_t kw, const uint16_t* x, int64_t xs, bool prefetch, Ahead& ahead,
+             float res[][4], int q0) {
   __m512 acc[MR][4];
   DSV4_UNROLL for (int i = 0; i < MR; ++i)
     DSV4_UNROLL for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_setzero_ps();
@@ -155,6 +175,7 @@ void DotBf16(const uint16_t* const* w, int64_t kw, const uint16_t* x, int64_t xs
       if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w[q] + k) + kPrefetchBytes, _MM_HINT_T0);
       a[q] = AsBh(_mm512_loadu_si512(w[q] + k));
     }
+    ahead.Step();
     DSV4_UNROLL for (int i = 0; i < MR; ++i) {
       const __m512bh xv = AsBh(_mm512_loadu_si512(x + i * xs + k));
       DSV4_UNROLL for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], a[q], xv);
@@ -174,8 +195,8 @@ void DotBf16(const uint16_t* const* w, int64_t kw, const uint16_t* x, int64_t xs
 
 // fp32 activations in [even, odd] chunk layout against bf16 rows.
 template <int MR, int NQ>
-void DotF32Bf16(const uint16_t* const* w, int64_t kw, const float* x, int64_t xs, bool prefetch, float res[][4],
-                int q0) {
+void DotF32Bf16(const uint16_t* const* w, int64_t kw, const float* x, int64_t xs, bool prefetch, Ahead& ahead,
+                float res[][4], int q0) {
   __m512 acc[MR][4];
   DSV4_UNROLL for (int i = 0; i < MR; ++i)
     DSV4_UNROLL for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_setzero_ps();
@@ -189,6 +210,7 @@ void DotF32Bf16(const uint16_t* const* w, int64_t kw, const float* x, int64_t xs
       we[q] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
       wo[q] = _mm512_castsi512_ps(_mm512_and_si512(v, odd_mask));
     }
+    ahead.Step();
     DSV4_UNROLL for (int i = 0; i < MR; ++i) {
       const __m512 xe = _mm512_loadu_ps(x + i * xs + k), xo = _mm512_loadu_ps(x + i * xs + k + 16);
       DSV4_UNROLL for (int q = 0; q < NQ; ++q) {
@@ -202,7 +224,8 @@ void DotF32Bf16(const uint16_t* const* w, int64_t kw, const float* x, int64_t xs
 
 // fp32 activations against fp32 rows (both in column order).
 template <int MR, int NQ>
-void DotF32(const float* const* w, int64_t kw, const float* x, int64_t xs, bool prefetch, float res[][4], int q0) {
+void DotF32(const float* const* w, int64_t kw, const float* x, int64_t xs, bool prefetch, Ahead& ahead, float res[][4],
+            int q0) {
   __m512 acc[MR][4];
   DSV4_UNROLL for (int i = 0; i < MR; ++i)
     DSV4_UNROLL for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_setzero_ps();
@@ -213,6 +236,7 @@ void DotF32(const float* const* w, int64_t kw, const float* x, int64_t xs, bool 
       if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w[q] + k) + kPrefetchBytes, _MM_HINT_T0);
       a[q] = _mm512_maskz_loadu_ps(mask, w[q] + k);
     }
+    ahead.Step();
     DSV4_UNROLL for (int i = 0; i < MR; ++i) {
       const __m512 xv = _mm512_loadu_ps(x + i * xs + k);
       DSV4_UNROLL for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_fmadd_ps(a[q], xv, acc[i][q]);
@@ -223,57 +247,57 @@ void DotF32(const float* const* w, int64_t kw, const float* x, int64_t xs, bool 
 
 // NQ weight rows (4, or 1) against mr activation rows; results to res[i][q0 + q].
 template <int NQ, class W, class X>
-void Dot(int mr, const W* const* w, int64_t kw, const X* x, int64_t xs, bool pf, float res[][4], int q0) {
+void Dot(int mr, const W* const* w, int64_t kw, const X* x, int64_t xs, bool pf, Ahead& ah, float res[][4],
+         int q0) {
   if constexpr (sizeof(W) == 2 && sizeof(X) == 2) {
     switch (mr) {
-      case 1: DotBf16<1, NQ>(w, kw, x, xs, pf, res, q0); break;
-      case 2: DotBf16<2, NQ>(w, kw, x, xs, pf, res, q0); break;
-      case 3: DotBf16<3, NQ>(w, kw, x, xs, pf, res, q0); break;
-      default: DotBf16<4, NQ>(w, kw, x, xs, pf, res, q0); break;
+      case 1: DotBf16<1, NQ>(w, kw, x, xs, pf, ah, res, q0); break;
+      case 2: DotBf16<2, NQ>(w, kw, x, xs, pf, ah, res, q0); break;
+      case 3: DotBf16<3, NQ>(w, kw, x, xs, pf, ah, res, q0); break;
+      default: DotBf16<4, NQ>(w, kw, x, xs, pf, ah, res, q0); break;
     }
   } else if constexpr (sizeof(W) == 2) {
     switch (mr) {
-      case 1: DotF32Bf16<1, NQ>(w, kw, x, xs, pf, res, q0); break;
-      case 2: DotF32Bf16<2, NQ>(w, kw, x, xs, pf, res, q0); break;
-      case 3: DotF32Bf16<3, NQ>(w, kw, x, xs, pf, res, q0); break;
-      default: DotF32Bf16<4, NQ>(w, kw, x, xs, pf, res, q0); break;
+      case 1: DotF32Bf16<1, NQ>(w, kw, x, xs, pf, ah, res, q0); break;
+      case 2: DotF32Bf16<2, NQ>(w, kw, x, xs, pf, ah, res, q0); break;
+      case 3: DotF32Bf16<3, NQ>(w, kw, x, xs, pf, ah, res, q0); break;
+      default: DotF32Bf16<4, NQ>(w, kw, x, xs, pf, ah, res, q0); break;
     }
   } else {
     switch (mr) {
-      case 1: DotF32<1, NQ>(w, kw, x, xs, pf, res, q0); break;
-      case 2: DotF32<2, NQ>(w, kw, x, xs, pf, res, q0); break;
-      case 3: DotF32<3, NQ>(w, kw, x, xs, pf, res, q0); break;
-      default: DotF32<4, NQ>(w, kw, x, xs, pf, res, q0); break;
+      case 1: DotF32<1, NQ>(w, kw, x, xs, pf, ah, res, q0); break;
+      case 2: DotF32<2, NQ>(w, kw, x, xs, pf, ah, res, q0); break;
+      case 3: DotF32<3, NQ>(w, kw, x, xs, pf, ah, res, q0); break;
+      default: DotF32<4, NQ>(w, kw, x, xs, pf, ah, res, q0); break;
     }
   }
 }
 
-// Largest MR x cols activation block (bytes) for which weight rows read in place go one at a time (one_row).
+// Largest activation block (bytes) for which weight rows read in place go one at a time (single).
 constexpr int64_t kOneRowXBytes = 16384;
 
-// one_row: the same products one weight row at a time (Dot<1>: one sequential stream of weights), each row's
-// accumulators running exactly the sequence Dot<4> runs for them (results bit-identical). Taken where weight rows
-// read in place get no software prefetch (the plan's setting on AMD Zen 4): there four rows side by side stream
-// slower than one; past kOneRowXBytes the activations no longer stay in L1 beside the stream. AMD EPYC family 0x19
-// model 0x11, two cores, bf16 weights from DRAM, median of interleaved runs: bench-preset head slice 16384 x 2048,
-// fp32 activations M = 1 / 2: 2180 / 2580 us against 2700 / 2900 side by side; bf16 activations M = 2 / 3 / 4:
-// 2090 / 2120 / 2700 against 2630 / 2890 / 3050; Flash head slice 16384 x 4096, fp32 M = 1: 4280 against 5030;
-// with 32 KiB of activations (fp32, M = 2) 7450 against 5220. Only calls of at most four activation rows (one pass
-// over the weight rows): eight bf16 rows in two passes of four took 4340 us against 3450 side by side.
+// single: the same products one weight row at a time (Dot<1>: one sequential stream of weights), each row's
+// accumulators running exactly the sequence Dot<4> runs for them (results bit-identical). Taken for one activation
+// row where weight rows read in place get no software prefetch (the plan's setting on AMD Zen 4) and the row fits
+// kOneRowXBytes: there one stream with the activations in L1 beats four rows side by side. With more rows, four side
+// by side with the block-ahead prefetch (Ahead) are faster. AMD EPYC family 0x19 model 0x11, two cores, bench-preset
+// head 129280 x 2048 bf16 from DRAM, median of interleaved runs, one at a time against side by side with Ahead:
+// fp32 activations M = 1 / 2: 16.5 / 20.8 ms against 17.0 / 16.9; bf16 activations M = 1 / 2 / 3 / 4: 16.2 / 17.0 /
+// 17.5 / 23.8 against 17.0 / 16.8 / 17.2 / 17.1 (Flash head slice 16384 x 4096, fp32 M = 1: 5.4 against 4.7 ms, but
+// the bench preset's shape decides here).
 template <class W, class X>
 void RowsBlock(const W* base, int64_t stride, int64_t rows, int64_t kw, const X* x, int64_t xs, int64_t m,
-               const MatOut& out, int64_t col0, bool prefetch, bool one_row) {
+               const MatOut& out, int64_t col0, bool prefetch, bool single, Ahead ahead) {
   for (int64_t m0 = 0; m0 < m; m0 += 4) {
     const int mr = static_cast<int>(m - m0 < 4 ? m - m0 : 4);
-    const bool single = one_row && m <= 4 && mr * kw * static_cast<int64_t>(sizeof(X)) <= kOneRowXBytes;
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
       const W* w[4];
       for (int q = 0; q < 4; ++q) w[q] = base + (r0 + q < rows ? r0 + q : rows - 1) * stride;
       float res[4][4];
       if (single) {
-        for (int q = 0; q < 4; ++q) Dot<1>(mr, w + q, kw, x + m0 * xs, xs, false, res, q);
+        for (int q = 0; q < 4; ++q) Dot<1>(mr, w + q, kw, x + m0 * xs, xs, false, ahead, res, q);
       } else {
-        Dot<4>(mr, w, kw, x + m0 * xs, xs, prefetch, res, 0);
+        Dot<4>(mr, w, kw, x + m0 * xs, xs, prefetch, ahead, res, 0);
       }
       StoreResults(out, m0, mr, col0 + r0, rows - r0 < 4 ? rows - r0 : 4, res);
     }
@@ -340,9 +364,27 @@ void Rows(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n
   }
   const RowKind kind = KindOf(act, w);
   const int64_t kw = w.cols, kp = Pad32(kw), block = RowBlock(m);
+  // One weight row at a time (single) or, for every other call reading weights in place with the per-row prefetch
+  // off, side by side with the block-ahead prefetch (Ahead).
+  const bool direct = kind == RowKind::kBf16Direct || kind == RowKind::kF32Direct;
+  const int64_t xelem = act == ActType::kF32 ? sizeof(float) : sizeof(uint16_t);
+  const bool single = kind == RowKind::kBf16Direct && !w.prefetch && m == 1 && kw * xelem <= kOneRowXBytes;
+  const bool block_ahead = direct && !w.prefetch && !single;
+  const size_t welem = kind == RowKind::kF32Direct ? sizeof(float) : sizeof(uint16_t);
+  const int64_t step = kind == RowKind::kF32Direct ? 16 : 32;  // columns per k step of the dot products
   for (int64_t b0 = n0; b0 < n1; b0 += block) {
     const int64_t rows = n1 - b0 < block ? n1 - b0 : block;
     const int64_t col0 = b0 - n0;
+    Ahead ahead;
+    if (block_ahead) {  // rows [b0 + 2 block, b0 + 3 block) of this task, spread over every k step of this block
+      const int64_t a0 = b0 + 2 * block < n1 ? b0 + 2 * block : n1, a1 = b0 + 3 * block < n1 ? b0 + 3 * block : n1;
+      const char* data = static_cast<const char*>(w.data);
+      ahead.next = data + static_cast<size_t>(a0 * kw) * welem;
+      ahead.end = data + static_cast<size_t>(a1 * kw) * welem;
+      const int64_t lines = (ahead.end - ahead.next + 63) / 64;
+      const int64_t steps = ((m + 3) / 4) * ((rows + 3) / 4) * ((kw + step - 1) / step);
+      ahead.per = static_cast<int>((lines + steps - 1) / steps);
+    }
     switch (kind) {
       case RowKind::kBf16Direct:
       case RowKind::kBf16Decoded: {
@@ -356,25 +398,25 @@ void Rows(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n
           base = static_cast<const uint16_t*>(scratch);
           stride = kp;
         }
-        // rows decoded into scratch are in L1 / L2: only weights read in place are prefetched, or else read one row
-        // at a time
+        // rows decoded into scratch are in L1 / L2: only weights read in place are prefetched
         const bool prefetch = kind == RowKind::kBf16Direct && w.prefetch;
-        const bool one_row = kind == RowKind::kBf16Direct && !w.prefetch;
         if (act == ActType::kBf16) {
-          RowsBlock(base, stride, rows, kw, static_cast<const uint16_t*>(xp), kp, m, out, col0, prefetch, one_row);
+          RowsBlock(base, stride, rows, kw, static_cast<const uint16_t*>(xp), kp, m, out, col0, prefetch, single,
+                    ahead);
         } else {
-          RowsBlock(base, stride, rows, kw, static_cast<const float*>(xp), kp, m, out, col0, prefetch, one_row);
+          RowsBlock(base, stride, rows, kw, static_cast<const float*>(xp), kp, m, out, col0, prefetch, single,
+                    ahead);
         }
         break;
       }
       case RowKind::kF32Direct:
         RowsBlock(static_cast<const float*>(w.data) + b0 * kw, kw, rows, kw, static_cast<const float*>(xp), kp, m,
-                  out, col0, w.prefetch, false);
+                  out, col0, w.prefetch, false, ahead);
         break;
       case RowKind::kF32Decoded:
         DecodeRowsF32(w, b0, rows, kp, static_cast<float*>(scratch));
         RowsBlock(static_cast<const float*>(scratch), kp, rows, kw, static_cast<const float*>(xp), kp, m, out, col0,
-                  false, false);
+                  false, false, Ahead{});
         break;
     }
   }

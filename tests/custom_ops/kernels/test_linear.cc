@@ -625,8 +625,9 @@ void TestPrefetchOff(const Variant& v) {
   const dsv4_test::ThreadParallel threads(2);
   for (ActType act : {ActType::kF32, ActType::kBf16}) {
     for (Fmt fmt : kFormats) {
-      // 5-8: FP8 with fp32 x in register groups when off; bf16 rows and folded FP8 rows go one weight row at a
-      // time for one activation row of 299 columns; at 3000 columns only bf16 ones do, and not for all row counts
+      // 5-8: FP8 with fp32 x in register groups when off; bf16 rows go one weight row at a time for one activation
+      // row (both widths at 299 columns, bf16 at 3000), side by side with the block-ahead prefetch for the other
+      // counts (its range clamped at the last of 37 rows); folded FP8 rows one at a time for small activation blocks
       // (kOneRowXBytes, kFp8OneRowXBytes)
       for (const auto& [m, kw] : std::vector<std::pair<int64_t, int64_t>>{
                {1, 299}, {2, 299}, {3, 299}, {4, 299}, {5, 299}, {6, 299}, {8, 299}, {9, 299}, {16, 299}, {17, 299},
