@@ -16,6 +16,7 @@
 
 #include "op_table_gen.h"
 #include "ops/op_checks.h"
+#include "platform/resident_weights.h"
 
 namespace dsv4::glue {
 namespace {
@@ -365,12 +366,15 @@ struct KernelState {
   const TableOp* op;
   Attributes attrs;
   std::unique_ptr<Kernel> kernel;
+  std::vector<ResidentCopy> resident;  // per input: a huge-page copy of a large constant (resident_weights.h)
 };
 
 // Constant initializers seen from CreateKernel (OrtApi::KernelInfoGetConstantInput_tensor).
 class OrtConstantInputs final : public ConstantInputs {
  public:
-  OrtConstantInputs(const TableOp& op, const OrtKernelInfo* info) : op_(op), info_(info) {}
+  // resident: the kernel's copies, whose addresses Get reports in place of the initializers' own.
+  OrtConstantInputs(const TableOp& op, const OrtKernelInfo* info, const std::vector<ResidentCopy>* resident)
+      : op_(op), info_(info), resident_(resident) {}
 
   bool Get(int index, InputView* out) const override {
     if (index < 0 || index >= op_.spec->num_inputs) return false;
@@ -398,7 +402,7 @@ class OrtConstantInputs final : public ConstantInputs {
     v.numel = ShapeProduct(v.shape, "the element count");
     void* data = nullptr;
     if (v.numel > 0) Check(Api().GetTensorMutableData(const_cast<OrtValue*>(value), &data));
-    v.data = data;
+    v.data = resident_ != nullptr ? (*resident_)[static_cast<size_t>(index)].Map(data) : data;
     *out = std::move(v);
     return true;
   }
@@ -406,6 +410,7 @@ class OrtConstantInputs final : public ConstantInputs {
  private:
   const TableOp& op_;
   const OrtKernelInfo* info_;
+  const std::vector<ResidentCopy>* resident_;
 };
 
 OrtStatus* ORT_API_CALL CreateKernelV2(const OrtCustomOp* op, const OrtApi*, const OrtKernelInfo* info,
@@ -415,7 +420,20 @@ OrtStatus* ORT_API_CALL CreateKernelV2(const OrtCustomOp* op, const OrtApi*, con
     auto state = std::make_unique<KernelState>();
     state->op = &t;
     state->attrs = ReadAttributes(*t.spec, info);
-    OrtConstantInputs constants(t, info);
+    // Large constant inputs get their resident copy first, so the kernel's creation-time checks see the addresses
+    // Compute will pass it.
+    state->resident.resize(static_cast<size_t>(t.spec->num_inputs));
+    const ResidentPolicy policy = ResidentPolicyFromEnv();
+    if (policy != ResidentPolicy::kOff) {
+      OrtConstantInputs originals(t, info, nullptr);
+      for (int i = 0; i < t.spec->num_inputs; ++i) {
+        InputView v;
+        if (!originals.Get(i, &v) || v.data == nullptr) continue;
+        const size_t bytes = static_cast<size_t>(v.numel) * ElementBytes(v.dtype);
+        state->resident[static_cast<size_t>(i)].Adopt(v.data, bytes, policy);
+      }
+    }
+    OrtConstantInputs constants(t, info, &state->resident);
     KernelInit init{t.spec, &state->attrs, t.isa, t.tables, &constants};
     state->kernel = t.factory(init);
     *kernel = state.release();
@@ -444,7 +462,8 @@ int HardwareThreads() {
 
 class OrtComputeContext final : public ComputeContext {
  public:
-  OrtComputeContext(const TableOp& op, const Attributes& attrs, OrtKernelContext* ctx)
+  OrtComputeContext(const TableOp& op, const Attributes& attrs, const std::vector<ResidentCopy>& resident,
+                    OrtKernelContext* ctx)
       : op_(op), attrs_(attrs), ctx_(ctx) {
     size_t n = 0;
     Check(Api().KernelContext_GetInputCount(ctx, &n));
@@ -477,7 +496,7 @@ class OrtComputeContext final : public ComputeContext {
       if (v.numel > 0 && type != ONNX_TENSOR_ELEMENT_DATA_TYPE_STRING) {
         Check(Api().GetTensorMutableData(const_cast<OrtValue*>(value), &data));
       }
-      v.data = data;
+      v.data = static_cast<size_t>(i) < resident.size() ? resident[static_cast<size_t>(i)].Map(data) : data;
       const optable::IoSpec& io = op.spec->inputs[i];
       if (io.rank >= 0 && v.rank() != io.rank) {
         Fail("input '", v.name, "' must have rank ", io.rank, ", got shape ", ShapeString(v.shape));
@@ -536,7 +555,7 @@ OrtStatus* ORT_API_CALL KernelComputeV2(void* kernel, OrtKernelContext* context)
   auto* state = static_cast<KernelState*>(kernel);
   const optable::OpSpec& spec = *state->op->spec;
   try {
-    OrtComputeContext ctx(*state->op, state->attrs, context);
+    OrtComputeContext ctx(*state->op, state->attrs, state->resident, context);
     state->kernel->Compute(ctx);
     return nullptr;
   } catch (const OpError& e) {

@@ -5,6 +5,7 @@
 
 #include "op_table_gen.h"
 #include "ops/kernel_api.h"
+#include "platform/resident_weights.h"
 
 namespace dsv4::glue {
 namespace {
@@ -57,6 +58,9 @@ class LibraryInfoKernel final : public Kernel {
     js << "}, \"batch_invariant_rows\": " << tables_->invariant_rows;
     js << ", \"weight_prefetch\": " << (tables_->weight_prefetch ? "true" : "false")
        << ", \"weight_prefetch_source\": \"" << LevelSourceName(tables_->prefetch_source) << '"';
+    js << ", \"resident_weights\": {\"policy\": \"" << ResidentPolicyName(ResidentPolicyFromEnv())
+       << "\", \"huge_pages_offered\": " << (HugePagesOffered() ? "true" : "false")
+       << ", \"min_bytes\": " << kResidentMinBytes << ", \"bytes_now\": " << ResidentBytes() << '}';
     js << ", \"cpu\": {\"vendor\": \"" << f.vendor << "\", \"family\": " << f.family << ", \"model\": " << f.model
        << "}}";
     ctx.OutputStrings(0, {js.str()});

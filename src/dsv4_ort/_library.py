@@ -62,7 +62,9 @@ def library_info(isa: str | None = None, kernels: str | None = None, batch_invar
     """What the library reports about itself in a session: op table, CPU (vendor, family, model, features), the
     ISA level of each kernel family and why (``family_source``: ``cap``, ``cpu`` policy or ``forced``), and the
     batch-invariance bound (``batch_invariant_rows``, 0 = off), and whether the linear / expert rows path prefetches
-    bf16 / fp32 weight rows in software (``weight_prefetch``, with ``weight_prefetch_source`` as for families).
+    bf16 / fp32 weight rows in software (``weight_prefetch``, with ``weight_prefetch_source`` as for families), and
+    the resident-weights policy (``resident_weights``: ``policy`` of ``DSV4_ORT_RESIDENT_WEIGHTS``,
+    ``huge_pages_offered``, ``min_bytes``, and ``bytes_now`` held in copies by this process).
 
     ``isa`` caps the level like ``DSV4_ORT_ISA``, ``kernels`` forces families like ``DSV4_ORT_KERNELS``,
     ``batch_invariant`` sets ``DSV4_ORT_BATCH_INVARIANT`` (all read when the library is registered).

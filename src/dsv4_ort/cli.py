@@ -44,6 +44,11 @@ def _cmd_info(args) -> int:
     why_pf = {"cap": "", "cpu": "  (the hardware prefetchers stream faster alone on this CPU)",
               "forced": "  (DSV4_ORT_KERNELS)"}
     print(f"weight prefetch: {'on' if info['weight_prefetch'] else 'off'}{why_pf[info['weight_prefetch_source']]}")
+    rw = info["resident_weights"]
+    print(f"resident weights: {rw['policy']} (DSV4_ORT_RESIDENT_WEIGHTS; transparent huge pages "
+          f"{'offered' if rw['huge_pages_offered'] else 'not offered'}: constant inputs of {rw['min_bytes'] >> 20} MiB "
+          f"or more are copied into huge pages when a session is created"
+          f"{'' if rw['policy'] != 'auto' else ' and a quarter of the memory stays available'})")
     return 0
 
 
