@@ -97,6 +97,13 @@ constexpr int64_t kPanelRows = 48;   // weight rows decoded per block (groups of
 // (one full token block), 1.6x from 32; bf16 activations, rows 1.05x ahead at 16, panels 1.2x at 24 and 1.6x
 // from 32 (a single VDPBF16PS block wastes more of each broadcast).
 constexpr int64_t kPanelMinRowsF32 = 16, kPanelMinRowsBf16 = 24;
+// The crossover for bf16 / fp32 weights, which the rows path reads in place (LinearBlocks::tile_min_rows_in_place):
+// streamed from DRAM, the rows path (with the block-ahead prefetch of linear_rows_avx512.cc where the plan turns the
+// per-row prefetch off) beats the panels up to these counts. AMD EPYC family 0x19 model 0x11, two cores,
+// bench-preset head 129280 x 2048 bf16, two builds interleaved, rows / panels: fp32 activations M = 16 / 32 / 64:
+// 45.3 / 88.5 / 181 ms against 71.4 / 110.7 / 186; bf16 activations M = 24 / 32 / 64: 35.5 / 46.2 / 87.8 against
+// 44.2 / 44.0 / 82.3. Not measured on Intel, where the AMX level (tiles from 16 rows) is the one picked.
+constexpr int64_t kPanelMinRowsInPlaceF32 = 64, kPanelMinRowsInPlaceBf16 = 32;
 
 bool PanelsSupported(ActType act, const WeightView& w);
 size_t PanelXBytes(ActType act, int64_t m, int64_t kw);

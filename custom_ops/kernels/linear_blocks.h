@@ -105,6 +105,11 @@ struct LinearBlocks {
   void (*moe_swiglu)(ActType act, float* g, const float* u, int64_t n, float limit, float scale, void* dst);
   // dst[i] += round(src[i]) for i < n.
   void (*moe_accumulate)(ActType act, const float* src, int64_t n, float* dst);
+
+  // Linear only: for bf16 / fp32 weights, which the rows path reads in place (no decoding to amortise over the
+  // activation rows), the tiles path runs from this many activation rows instead, if more (0: tile_min_rows alone).
+  // Independent of WeightView::prefetch, so that results never depend on it.
+  int64_t tile_min_rows_in_place[2] = {0, 0};
 };
 
 // Drivers: the LinearKernels / MoeExpertsKernels slot semantics (linear.h, moe_experts.h) on a level's blocks.

@@ -237,8 +237,10 @@ void RunLinear(const LinearBlocks& b, ActType act, const void* x, int64_t m, con
     RunReference(act, x, m, w, groups, y, par);
     return;
   }
-  const bool tiles = b.tiles != nullptr && m >= b.tile_min_rows[static_cast<int>(act)] && m > w.invariant_rows &&
-                     b.tiles_supported(act, w);
+  const bool in_place = w.format == WeightFormat::kBf16 || w.format == WeightFormat::kF32;
+  const int64_t min_rows = std::max(b.tile_min_rows[static_cast<int>(act)],
+                                    in_place ? b.tile_min_rows_in_place[static_cast<int>(act)] : int64_t{0});
+  const bool tiles = b.tiles != nullptr && m >= min_rows && m > w.invariant_rows && b.tiles_supported(act, w);
   const size_t elem = act == ActType::kF32 ? sizeof(float) : sizeof(uint16_t);
   const size_t out_elem = out_bf16 ? sizeof(uint16_t) : sizeof(float);
   const int64_t per_group = n / groups;

@@ -193,6 +193,7 @@ struct Variant {
 dsv4::LinearBlocks AllTiles(const dsv4::LinearBlocks& b) {
   dsv4::LinearBlocks t = b;
   t.tile_min_rows[0] = t.tile_min_rows[1] = 1;
+  t.tile_min_rows_in_place[0] = t.tile_min_rows_in_place[1] = 0;
   return t;
 }
 
