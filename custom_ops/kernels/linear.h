@@ -61,8 +61,8 @@ struct WeightView {
   // decode with the block scale folded, in groups of rows that fold (linear_fused_*.cc). Set by the ops from the
   // session (DSV4_ORT_BATCH_INVARIANT); the reference is invariant at any setting.
   int64_t invariant_rows = 0;
-  // Software prefetch of bf16 / fp32 weight rows read in place by the rows path (up to 16 activation rows; four
-  // rows side by side). Set by the ops from the session's plan (FamilyPlan::weight_prefetch): on where the hardware
+  // Software prefetch of bf16 / fp32 weight rows read in place by the rows path (four weight rows side by side).
+  // Set by the ops from the session's plan (FamilyPlan::weight_prefetch): on where the hardware
   // prefetchers alone keep too few lines in flight (measured on an Intel Xeon), off on AMD Zen 4, whose prefetchers
   // stream those rows faster without it (and faster still one row at a time: the AVX512 rows path does that for
   // one small activation row when this is off, and prefetches whole blocks of rows two ahead for the other calls).
