@@ -1,0 +1,29 @@
+"""bench/report.py: the speed-ups over llama.cpp, given as a range over our decode measured before and right after
+its runs (the AGAIN records), and how the summary prints them."""
+from dsv4_ort.bench import report
+
+
+def _run(impl, tps, **kw):
+    return {"impl": impl, "kind": "decode", "context": 256, "batch": 1, "tokens_per_s": tps,
+            "time": {"median_s": 1.0 / tps}, **kw}
+
+
+def test_speedup_over_llama_cpp_is_a_range_over_both_of_our_runs():
+    runs = [_run("dsv4-ort", 30.0, isa_cap="avx512"), _run("llama.cpp q8_0", 25.0), _run("torch_fp32", 3.0),
+            _run(report.AGAIN, 36.0, isa_cap="avx512")]
+    rat = report.ratios({"e2e": {"runs": runs}})["e2e"]
+    by = {r["baseline"]: r for r in rat}
+    assert set(by) == {"llama.cpp q8_0", "torch_fp32"}  # our second run is no baseline
+    assert abs(by["llama.cpp q8_0"]["speedup"] - 1.2) < 1e-12
+    assert abs(by["llama.cpp q8_0"]["speedup_again"] - 1.44) < 1e-12
+    assert "speedup_again" not in by["torch_fp32"]
+    text = "\n".join(report.e2e_md({"e2e": {"runs": runs}, "ratios": {"e2e": rat}}))
+    assert "llama.cpp q8_0 decode ctx 256 b1 x1.20 / x1.44" in text
+    assert report.AGAIN in text  # its own column in the decode table
+
+
+def test_without_a_second_run_the_speedup_is_one_figure():
+    runs = [_run("dsv4-ort", 30.0), _run("llama.cpp q8_0", 25.0)]
+    rat = report.ratios({"e2e": {"runs": runs}})["e2e"]
+    text = "\n".join(report.e2e_md({"e2e": {"runs": runs}, "ratios": {"e2e": rat}}))
+    assert "x1.20" in text and " / x" not in text and "before / after" not in text
