@@ -33,17 +33,23 @@ from .timing import warm_page_cache
 PROJECTED_ACCEPTANCE = (0.6, 0.8, 0.9)
 
 
-def _median_seconds(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _interleaved_medians(fns: dict, repeats: int) -> dict:
+    """Median seconds of each function, timed in rounds that call every function once (the order reversed every
+    other round): this machine's bandwidth drifts within minutes, and the ratios of these costs (a verify step to a
+    plain step) must compare like with like."""
+    times = {name: [] for name in fns}
+    order = list(fns)
+    for r in range(repeats):
+        for name in order if r % 2 == 0 else order[::-1]:
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def step_costs(sess, context: int, repeats: int = 7, drafts=(1, 2, 3)) -> dict:
-    """Median seconds of the steps of a speculative cycle at ``context`` tokens (state rolled back after each)."""
+    """Median seconds of the steps of a speculative cycle at ``context`` tokens (state rolled back after each), all
+    timed interleaved (:func:`_interleaved_medians`)."""
     from dsv4_ort.runtime.speculative import Rollback
 
     spec = sess.speculator()
@@ -59,7 +65,7 @@ def step_costs(sess, context: int, repeats: int = 7, drafts=(1, 2, 3)) -> dict:
         rb.restore(snap, np.zeros(1, np.int64))
         state.positions[:] = pos
 
-    out = {"context": context, "decode_s": _median_seconds(plain, repeats)}
+    fns = {"decode_s": plain}
     mstate = spec.new_mtp_state(1)
     mstate.positions[:] = pos
     mrb = Rollback(mstate, spec.mtp_ratios)
@@ -67,12 +73,12 @@ def step_costs(sess, context: int, repeats: int = 7, drafts=(1, 2, 3)) -> dict:
     for k in drafts:
         ids = rng.integers(0, sess.vocab_size, (1, k + 1))
 
-        def verify():
+        def verify(k=k, ids=ids):
             snap = rb.snapshot(pos, k + 1)
             spec.main_step(state, ids, k + 1)
             rb.restore(snap, np.zeros(1, np.int64))
 
-        def draft():
+        def draft(k=k, ids=ids):
             snap = mrb.snapshot(pos, 2 * k)
             _, h = spec.mtp_step(mstate, np.zeros((1, k + 1, hc, d), np.float32), ids, 1)
             for j in range(k - 1):
@@ -81,13 +87,13 @@ def step_costs(sess, context: int, repeats: int = 7, drafts=(1, 2, 3)) -> dict:
             mstate.positions[:] = pos
             mrb.restore(snap, np.zeros(1, np.int64))
 
-        def rollback():
+        def rollback(k=k):
             rb.restore(rb.snapshot(pos, k + 1), np.ones(1, np.int64))
 
-        out[f"verify_{k}_s"] = _median_seconds(verify, repeats)
+        fns[f"verify_{k}_s"], fns[f"draft_{k}_s"], fns[f"rollback_{k}_s"] = verify, draft, rollback
+    out = {"context": context, **_interleaved_medians(fns, repeats)}
+    for k in drafts:
         out[f"verify_{k}_ratio"] = out[f"verify_{k}_s"] / out["decode_s"]
-        out[f"draft_{k}_s"] = _median_seconds(draft, repeats)
-        out[f"rollback_{k}_s"] = _median_seconds(rollback, repeats)
     return out
 
 
