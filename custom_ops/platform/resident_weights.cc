@@ -2,15 +2,15 @@
 #include "platform/resident_weights.h"
 
 #include <atomic>
-#include <iterator>
-#include <map>
-#include <mutex>
-#include <utility>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
+#include <map>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -23,8 +23,8 @@ std::atomic<uint64_t> g_resident_bytes{0};  // bytes held in copies, all session
 
 constexpr size_t kHugePage = size_t{2} << 20;
 
-
 #if defined(__linux__)
+// Whether the kernel gives transparent huge pages to madvised anonymous memory ("always" or "madvise" selected).
 bool Offered() {
   static const bool offered = [] {
     FILE* f = std::fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");

@@ -22,6 +22,16 @@ def test_speedup_over_llama_cpp_is_a_range_over_both_of_our_runs():
     assert report.AGAIN in text  # its own column in the decode table
 
 
+def test_the_second_run_is_no_prefill_column():
+    runs = [_run("dsv4-ort", 30.0), _run("llama.cpp q8_0", 25.0), _run(report.AGAIN, 36.0),
+            {"impl": "dsv4-ort", "kind": "prefill", "tokens": 128, "batch": 1, "tokens_per_s": 140.0,
+             "time": {"median_s": 0.9}}]
+    lines = report.e2e_md({"e2e": {"runs": runs}})
+    prefill_header = next(line for line in lines if line.startswith("| prompt tokens"))
+    decode_header = next(line for line in lines if line.startswith("| context"))
+    assert report.AGAIN not in prefill_header and report.AGAIN in decode_header
+
+
 def test_without_a_second_run_the_speedup_is_one_figure():
     runs = [_run("dsv4-ort", 30.0), _run("llama.cpp q8_0", 25.0)]
     rat = report.ratios({"e2e": {"runs": runs}})["e2e"]

@@ -286,21 +286,30 @@ def _run_e2e(s, threads, caps, families, limits, wanted, e2e_isa, model_dir, log
         # llama.cpp: the same preset converted by its own converter, timed by llama-bench in this run
         if "llama" in wanted and not model_dir and time.monotonic() < deadline:
             try:
+                llama_ran = True
                 out["runs"] += _run_llama(s, settings, threads, log)
-                # ours again, right after: this machine's bandwidth drifts within minutes, so the speed-up over
-                # llama.cpp is given as the range over our decode before and after its runs (report.ratios)
-                again = dict(settings, prefill_tokens=[], batches=[1])
-                log("  dsv4-ort decode again, after llama.cpp")
-                again_deadline = max(deadline, time.monotonic() + 0.25 * s["e2e_budget_s"])  # its own allowance
-                recs, _, _ = E.run_ours(mdir, cap=want_caps[-1], levels=families[want_caps[-1]], caps=[want_caps[-1]],
-                                        threads=threads, settings=again, limits=limits, deadline=again_deadline,
-                                        log=log)
-                out["runs"] += [{**r, "impl": AGAIN} for r in recs if r.get("kind") == "decode"]
             except Exception as e:
+                llama_ran = False
                 msg = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
                 out["runs"].append({"impl": "llama.cpp", "error": msg})
                 results["errors"].append({"where": "e2e llama.cpp", "error": msg})
                 log(f"    llama.cpp failed: {msg}")
+            # ours again, right after: this machine's bandwidth drifts within minutes, so the speed-up over llama.cpp
+            # is given as the range over our decode before and after its runs (report.ratios)
+            if llama_ran:
+                try:
+                    log("  dsv4-ort decode again, after llama.cpp")
+                    again = dict(settings, prefill_tokens=[], batches=[1])
+                    again_deadline = max(deadline, time.monotonic() + 0.25 * s["e2e_budget_s"])  # its own allowance
+                    recs, _, _ = E.run_ours(mdir, cap=want_caps[-1], levels=families[want_caps[-1]],
+                                            caps=[want_caps[-1]], threads=threads, settings=again, limits=limits,
+                                            deadline=again_deadline, log=log)
+                    out["runs"] += [{**r, "impl": AGAIN} for r in recs if r.get("kind") == "decode"]
+                except Exception as e:
+                    msg = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+                    out["runs"].append({"impl": AGAIN, "error": msg})
+                    results["errors"].append({"where": "e2e dsv4-ort again", "error": msg})
+                    log(f"    dsv4-ort again failed: {msg}")
         # baselines
         from dsv4_ort.models import DeepseekV4Config
 
