@@ -260,9 +260,12 @@ class MtpSpeculator:
         so = ort.SessionOptions()
         so.intra_op_num_threads = session.threads
         so.log_severity_level = 4
-        # The MTP graph runs between main-model steps with its own thread pool: spinning, its idle threads would
-        # take the cores from the main model's next step (and the main pool's from its drafts).
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        # The MTP graph runs between main-model steps with its own thread pool. Both sessions' threads spin only
+        # while a run lasts (SPIN_STOP_KEY): spinning on after it, either pool took the cores from the other's next
+        # run (a draft step after a main step: 17.2 against 9.2 ms, bench preset, 2 cores).
+        from .session import SPIN_STOP_KEY
+
+        so.add_session_config_entry(SPIN_STOP_KEY, "1")
         kernels = ",".join(f"{k}={v}" for k, v in sorted(session.families.items()))
         with dsv4_ort.isa_cap(session.isa, kernels, getattr(session, "batch_invariant", None) or None):
             dsv4_ort.register(so)
