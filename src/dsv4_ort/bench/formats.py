@@ -4,9 +4,12 @@ Each option is an export of the same preset weights (seed 0) with ``--head`` / `
 :func:`dsv4_ort.export.weights.requantize`) and ``--compute`` (fp32 or bf16 products in the linears). Quality is teacher-forced: both models read the same random token
 sequence one token at a time (decode steps, so every position's logits are compared) and we report the logit NMSE
 ``sum((l - l_native)^2) / sum(l_native^2)`` over all steps and the top-1 agreement (fraction of steps whose argmax
-equals native's). Speed is decode tokens/s after a short prompt (median of repeats), with the bytes one decode
-step reads (the bench cost model, :func:`.e2e.decode_bytes`, uniform routing estimate); also an 8-row decode step
-(tokens/s over the rows) and a 128-token prefill, where the compute mode matters.
+equals native's). Speed is decode tokens/s after a short prompt, with the bytes one decode step reads (the bench
+cost model, :func:`.e2e.decode_bytes`, uniform routing estimate); also an 8-row decode step (tokens/s over the rows)
+and a 128-token prefill, where the compute mode matters. Each option's decode is timed side by side with native's
+(:func:`decode_speeds`, rounds alternating the two sessions): this machine's bandwidth drifts within minutes, so
+options timed one after the other were ranked by the moment each ran (``--head fp8`` once came out 0.93x native
+that way, and 1.11-1.29x interleaved). ``decode_vs_native`` is the ratio of the two medians.
 
 usage: dsv4-ort bench --formats [--out DIR] [--threads N]   (or python -m dsv4_ort.bench.formats)
 """
@@ -49,17 +52,27 @@ def quality(ref: np.ndarray, got: np.ndarray) -> dict:
 
 def decode_speed(sess, prompt_len: int, steps: int, repeats: int) -> float:
     """Median decode tokens/s of ``steps`` greedy steps after a ``prompt_len`` prompt."""
+    return decode_speeds([sess], prompt_len, steps, repeats)[0]
+
+
+def decode_speeds(sessions: list, prompt_len: int, steps: int, repeats: int) -> list:
+    """Median decode tokens/s of each session: ``repeats`` rounds, each running every session's ``steps`` greedy
+    steps after a ``prompt_len`` prompt (the same prompt for all), in an order reversed every other round."""
     rng = np.random.default_rng(1)
-    rates = []
-    for _ in range(repeats):
-        state = sess.new_state(1)
-        logits = sess.forward(rng.integers(0, sess.vocab_size, (1, prompt_len)), state)
-        tok = np.array([[int(logits[0, -1].argmax())]])
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            tok = np.array([[int(sess.forward(tok, state)[0, -1].argmax())]])
-        rates.append(steps / (time.perf_counter() - t0))
-    return statistics.median(rates)
+    rates = [[] for _ in sessions]
+    order = list(range(len(sessions)))
+    for r in range(repeats):
+        prompt = rng.integers(0, min(s.vocab_size for s in sessions), (1, prompt_len))
+        for i in order if r % 2 == 0 else order[::-1]:
+            sess = sessions[i]
+            state = sess.new_state(1)
+            logits = sess.forward(prompt, state)
+            tok = np.array([[int(logits[0, -1].argmax())]])
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                tok = np.array([[int(sess.forward(tok, state)[0, -1].argmax())]])
+            rates[i].append(steps / (time.perf_counter() - t0))
+    return [statistics.median(r) for r in rates]
 
 
 def prefill_speed(sess, tokens: int, repeats: int) -> float:
@@ -105,26 +118,36 @@ def run(presets=("tiny", "bench"), *, tokens: int = 48, steps: int = 32, repeats
     for preset in presets:
         max_seq_len = 256
         ids = np.random.default_rng(0).integers(0, 1 << 30, tokens)
-        ref = None
+        ref = native = None
+        native_rates = []
         for head, dense, compute in OPTIONS:
             d = export_option(preset, head, dense, max_seq_len, log, compute)
             sess = Session(d, intra_op_threads=threads)
             ids_p = ids % sess.vocab_size
             logits = teacher_forced_logits(sess, ids_p)
-            if ref is None:
-                ref = logits
+            if ref is None:  # native: the reference of the quality columns and of every option's decode
+                ref, native = logits, sess
+                decode = [decode_speed(sess, 16, steps, repeats)]
+            else:  # side by side with native, rounds alternating (repeats at least 2: one round of each order)
+                decode = decode_speeds([sess, native], 16, steps, max(repeats, 2))
+                native_rates.append(decode[1])
             wc = e2e.weight_costs(e2e.inventory(d), sess.meta["config"])
             mb = e2e.decode_bytes(sess.meta, wc, context=16, batch=1, unique_experts=None)["per_token"] / 1e6
             row = {"preset": preset, "head": head, "dense": dense, "compute": compute, **quality(ref, logits),
-                   "decode_tok_s": round(decode_speed(sess, 16, steps, repeats), 2),
+                   "decode_tok_s": round(decode[0], 2),
+                   "decode_vs_native": round(decode[0] / decode[-1], 3),
                    "batch8_tok_s": round(batch_speed(sess, 8, max(4, steps // 4)), 2),
                    "prefill128_tok_s": round(prefill_speed(sess, 128, 2), 1), "mb_per_token": round(mb, 2),
                    "isa": sess.isa, "threads": threads}
             log(f"  {preset:6s} head={head:6s} dense={dense:6s} compute={compute} nmse={row['nmse']:.2e} "
-                f"top1={row['top1_agreement']:.3f} decode={row['decode_tok_s']} b8={row['batch8_tok_s']} "
+                f"top1={row['top1_agreement']:.3f} decode={row['decode_tok_s']} (x{row['decode_vs_native']} native) "
+                f"b8={row['batch8_tok_s']} "
                 f"prefill128={row['prefill128_tok_s']} tok/s {row['mb_per_token']} MB/token")
             rows.append(row)
             del sess
+        if native_rates:  # native's own figure: the median of its runs beside the other options
+            rows[-len(OPTIONS)]["decode_tok_s"] = round(statistics.median(native_rates), 2)
+        del native
     import dsv4_ort
 
     cpu = dsv4_ort.library_info()["cpu"]
@@ -135,12 +158,13 @@ def run(presets=("tiny", "bench"), *, tokens: int = 48, steps: int = 32, repeats
 def markdown(result: dict) -> str:
     lines = [f"CPU: {result['machine']['cpu']}, {result['machine']['threads']} threads; quality teacher-forced "
              "against native on the same weights.", "",
-             "| preset | head | dense | compute | logit NMSE | top-1 agreement | decode tok/s | batch 8 tok/s | "
-             "prefill 128 tok/s | MB read / token |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| preset | head | dense | compute | logit NMSE | top-1 agreement | decode tok/s | decode x native "
+             "(side by side) | batch 8 tok/s | prefill 128 tok/s | MB read / token |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         lines.append(f"| {r['preset']} | {r['head']} | {r['dense']} | {r['compute']} | {r['nmse']:.2e} | "
-                     f"{r['top1_agreement']:.3f} | {r['decode_tok_s']} | {r['batch8_tok_s']} | "
+                     f"{r['top1_agreement']:.3f} | {r['decode_tok_s']} | {r['decode_vs_native']:.2f} | "
+                     f"{r['batch8_tok_s']} | "
                      f"{r['prefill128_tok_s']} | {r['mb_per_token']} |")
     return "\n".join(lines) + "\n"
 
