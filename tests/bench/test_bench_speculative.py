@@ -5,7 +5,7 @@ import json
 import os
 from pathlib import Path
 
-from dsv4_ort.bench.speculative import PROJECTED_ACCEPTANCE, projected_speedup
+from dsv4_ort.bench.speculative import PROJECTED_ACCEPTANCE, bytes_bound, projected_speedup
 
 
 def test_speculative_smoke(tmp_path, monkeypatch):
@@ -27,6 +27,9 @@ def test_speculative_smoke(tmp_path, monkeypatch):
     fitted = r["fitted_tiny"]["generation"]["mtp_1"]
     assert 0 < fitted["acceptance"] <= 1 and fitted["tokens_per_cycle"] > 1
     assert "| k | verify k+1 / decode |" in (tmp_path / "r" / "speculative.md").read_text()
+    nb = r["costs"]["bytes"]  # a verify's tokens touch more experts than one token; a draft reads less than a step
+    assert nb["decode"] < nb["verify_1"] < nb["verify_2"] < nb["verify_3"] and 0 < nb["draft"] < nb["decode"]
+    assert r["costs"]["bytes_bound"]["2"]["0.8"] == bytes_bound(nb, 2, 0.8)
 
 
 def test_projection():
@@ -35,3 +38,10 @@ def test_projection():
     assert abs(projected_speedup(costs, 2, 0.5) - 1.75 / 1.5) < 1e-12
     assert abs(projected_speedup(costs, 2, 1.0) - 3 / 1.5) < 1e-12
     assert PROJECTED_ACCEPTANCE == (0.6, 0.8, 0.9)
+
+
+def test_bytes_bound():
+    """The projection with step times proportional to bytes: k drafts read k draft steps, no rollback cost."""
+    nbytes = {"decode": 100.0, "verify_2": 120.0, "draft": 10.0}
+    assert abs(bytes_bound(nbytes, 2, 0.5) - 1.75 * 100 / 140) < 1e-12
+    assert abs(bytes_bound(nbytes, 2, 1.0) - 3 * 100 / 140) < 1e-12

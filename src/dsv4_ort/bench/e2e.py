@@ -77,11 +77,12 @@ def ensure_export(preset: str, max_seq_len: int, log) -> Path:
                          max_seq_len=max_seq_len, logits="last")
 
 
-def inventory(model_dir: Path) -> list:
-    """[(name, dims, onnx type, bytes)] of every initializer of the exported graph."""
+def inventory(model_dir: Path, graph: str = "model.onnx") -> list:
+    """[(name, dims, onnx type, bytes)] of every initializer of the exported graph (``graph``: another graph of the
+    export, e.g. its MTP block)."""
     import onnx
 
-    m = onnx.load(str(model_dir / "model.onnx"), load_external_data=False)
+    m = onnx.load(str(Path(model_dir) / graph), load_external_data=False)
     out = []
     for t in m.graph.initializer:
         length = next((int(e.value) for e in t.external_data if e.key == "length"), None)

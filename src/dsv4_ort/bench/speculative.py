@@ -12,7 +12,8 @@ Then a greedy generation of ``--tokens`` tokens plain and with ``speculative="mt
 session runs with batch invariance), giving the measured acceptance (accepted / drafted) and tokens/s, and the
 speed-up projected at acceptance 0.6 / 0.8 / 0.9 from the measured costs: a cycle emits ``(1 - a^(k+1)) / (1 - a)``
 tokens on average (each draft accepted with probability a, independently) for ``verify[k] + draft[k] +
-rollback`` seconds.
+rollback`` seconds. Beside it, the same projection from bytes alone (:func:`byte_costs`: every step at the
+bandwidth roofline), the most any machine bound by memory bandwidth can get from this model's MTP block.
 
 usage: python -m dsv4_ort.bench.speculative MODEL_DIR [--threads N] [--context N] [--tokens N] [--out FILE]
 """
@@ -105,6 +106,33 @@ def projected_speedup(costs: dict, k: int, acceptance: float) -> float:
     return per_cycle * costs["decode_s"] / cycle
 
 
+def byte_costs(model_dir, context: int, drafts=(1, 2, 3)) -> dict:
+    """Bytes that a plain decode step, a verify of k + 1 tokens and one MTP draft step read, from the export's own
+    tensors (the bench cost model, :mod:`.e2e`; routing estimated uniform: a verify's tokens each pick their own
+    experts). A draft step reads its graph's weights but one embedding row and top_k of its routed experts; the MTP
+    block's own small state is left out."""
+    from .e2e import decode_bytes, inventory, weight_costs
+
+    meta = json.loads((Path(model_dir) / "dsv4_ort.json").read_text())
+    wc = weight_costs(inventory(model_dir), meta["config"])
+    one = decode_bytes(meta, wc, context=context, batch=1, unique_experts=None)
+    out = {"decode": one["total"]}
+    for k in drafts:
+        routed = decode_bytes(meta, wc, context=context, batch=k + 1, unique_experts=None)["routed_experts"]
+        out[f"verify_{k}"] = one["total"] - one["routed_experts"] + routed + k * (wc["embed_row"] + wc["tid2eid_row"])
+    mwc = weight_costs(inventory(model_dir, meta["mtp"]["graph"]), meta["config"])
+    out["draft"] = (mwc["dense_bytes"] + mwc["top_k"] * sum(mwc["expert_bytes"].values()) + mwc["embed_row"] +
+                    mwc["tid2eid_row"])
+    return out
+
+
+def bytes_bound(nbytes: dict, k: int, acceptance: float) -> float:
+    """:func:`projected_speedup` with every step's time proportional to the bytes it reads (:func:`byte_costs`)."""
+    costs = {"decode_s": nbytes["decode"], f"verify_{k}_s": nbytes[f"verify_{k}"], f"draft_{k}_s": k * nbytes["draft"],
+             f"rollback_{k}_s": 0.0}
+    return projected_speedup(costs, k, acceptance)
+
+
 def generation(sess, tokens: int, prompt_len: int = 32, drafts=(1, 2, 3)) -> dict:
     """Greedy tokens/s plain and speculative (decode phase), acceptance, and whether the tokens agree."""
     prompt = np.random.default_rng(1).integers(0, sess.vocab_size, prompt_len).tolist()
@@ -147,8 +175,10 @@ def run(model_dir, *, threads: int = 2, context: int = 512, tokens: int = 128, r
     costs = step_costs(sess, context, repeats)
     gen = generation(sess, tokens)
     proj = {k: {str(a): projected_speedup(costs, k, a) for a in PROJECTED_ACCEPTANCE} for k in (1, 2, 3)}
+    nbytes = byte_costs(model_dir, context)
+    bound = {k: {str(a): bytes_bound(nbytes, k, a) for a in PROJECTED_ACCEPTANCE} for k in (1, 2, 3)}
     return {"model": str(model_dir), "threads": threads, "cpu": cpu_name(), "costs": costs, "generation": gen,
-            "projected_speedup": proj}
+            "projected_speedup": proj, "bytes": nbytes, "bytes_bound": bound}
 
 
 def mtp_export(preset: str, max_seq_len: int, log, fitted: bool = False) -> Path:
@@ -205,14 +235,20 @@ def markdown(r: dict) -> str:
     c, g = r["costs"], r["generation"]
     lines = [f"MTP speculative decoding, {r['threads']} threads, context {c['context']} ({r['cpu']})", "",
              "| k | verify k+1 / decode | draft ms | rollback ms | measured acceptance | tok/s (plain "
-             f"{g['plain_tok_s']:.2f}) | identical | projected x at 0.6 / 0.8 / 0.9 |", "|---|---|---|---|---|---|---|---|"]
+             f"{g['plain_tok_s']:.2f}) | identical | projected x at 0.6 / 0.8 / 0.9 | bound from bytes at 0.6 / 0.8 / "
+             "0.9 |", "|---|---|---|---|---|---|---|---|---|"]
     for k in (1, 2, 3):
-        m, p = g[f"mtp_{k}"], r["projected_speedup"][k]
+        m, p, b = g[f"mtp_{k}"], r["projected_speedup"][k], r["bytes_bound"][k]
         lines.append(f"| {k} | {c[f'verify_{k}_ratio']:.3f} | {1e3 * c[f'draft_{k}_s']:.1f} | "
                      f"{1e3 * c[f'rollback_{k}_s']:.2f} | {m['acceptance']:.2f} | {m['tok_s']:.2f} "
                      f"({m['speedup']:.2f}x) | {m['identical']} | "
-                     f"{' / '.join(f'{p[str(a)]:.2f}' for a in PROJECTED_ACCEPTANCE)} |")
-    lines.append(f"\nplain decode step {1e3 * c['decode_s']:.1f} ms")
+                     f"{' / '.join(f'{p[str(a)]:.2f}' for a in PROJECTED_ACCEPTANCE)} | "
+                     f"{' / '.join(f'{b[str(a)]:.2f}' for a in PROJECTED_ACCEPTANCE)} |")
+    nb = r["bytes"]
+    verify_mb = " / ".join(f"{nb['verify_' + str(k)] / 1e6:.1f}" for k in (1, 2, 3))
+    lines.append(f"\nplain decode step {1e3 * c['decode_s']:.1f} ms; bytes read: plain step {nb['decode'] / 1e6:.1f} MB, "
+                 f"verify of 2 / 3 / 4 tokens {verify_mb} MB, one draft step {nb['draft'] / 1e6:.1f} MB (the bound: "
+                 "every step at the bandwidth roofline)")
     return "\n".join(lines)
 
 
