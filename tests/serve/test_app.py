@@ -151,6 +151,8 @@ def test_completions_text_and_ids(client, chat_model):
     streamed = list(client.completions.create(model=name, prompt=ids, max_tokens=6, temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in streamed) == want
     assert streamed[-1].choices[0].finish_reason == by_ids.choices[0].finish_reason
+    # one chunk per generated token, then the finish chunk
+    assert sum(c.choices[0].finish_reason is None for c in streamed) == by_ids.usage.completion_tokens
 
 
 def test_seeded_sampling_is_reproducible(client, chat_model):
@@ -177,6 +179,9 @@ def test_stop_strings(client, chat_model):
     chunks = list(client.completions.create(model=name, prompt=ids, max_tokens=12, temperature=0, stop=stop,
                                             stream=True))
     assert "".join(c.choices[0].text for c in chunks) == want and chunks[-1].choices[0].finish_reason == "stop"
+    # text held back as a possible stop string still streams a chunk per token (empty text)
+    per_token = [c.choices[0].text for c in chunks if c.choices[0].finish_reason is None]
+    assert len(per_token) == r.usage.completion_tokens and "" in per_token
 
 
 def test_reasoning_split(client, chat_model):

@@ -2,7 +2,8 @@
 
 Each client sends one ``/v1/completions`` request (a fixed prompt of token ids, ``max_tokens`` new tokens,
 ``ignore_eos`` so every request generates them all, ``stream`` with usage) at the same moment; per client we
-record the time to the first token chunk (TTFT) and the gaps between token chunks (inter-token latency, ITL).
+record the time to the first token chunk (TTFT) and the gaps between token chunks (inter-token latency, ITL;
+the server streams one chunk per generated token, its text empty while a multi-byte character is incomplete).
 Per N we report output tokens/s over all clients (output tokens / wall time from the first request sent to the
 last stream closed), TTFT and ITL p50 / p99. Server start-up is not timed. Only the standard library is used on
 the client side, so the bench needs nothing beyond the ``serve`` extra.
@@ -96,7 +97,7 @@ def stream_one(host: str, port: int, body: dict, start: threading.Barrier, timeo
             raise RuntimeError(f"stream error: {obj['error']}")
         if obj.get("usage"):
             tokens = obj["usage"]["completion_tokens"]
-        if obj.get("choices") and obj["choices"][0].get("text"):
+        if obj.get("choices") and obj["choices"][0].get("finish_reason") is None:  # one chunk per token
             chunks.append(time.perf_counter())
     conn.close()
     return {"sent": sent, "chunks": chunks, "output_tokens": tokens, "done": time.perf_counter()}

@@ -224,7 +224,9 @@ class Server:
                         yield _sse(APIError(500, f"generation failed: {ev.error}", type="server_error").body())
                         yield "data: [DONE]\n\n"
                         return
-                    if ev.text:
+                    # one chunk per generated token, its text possibly empty (held back until a UTF-8
+                    # character or a stop-string candidate completes): the chunks keep the pace of the tokens
+                    if ev.token_id is not None or ev.text:
                         yield _sse(completion_chunk(rid, created, self.model, ev.text, None, parsed.include_usage))
                     if ev.finish_reason is not None:
                         yield _sse(completion_chunk(rid, created, self.model, "", ev.finish_reason,
