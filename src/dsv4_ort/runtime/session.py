@@ -305,8 +305,8 @@ def _token_ids(value, name: str, vocab: int) -> np.ndarray:
 
 _NOT_LOADED = object()
 
-# onnxruntime session config key (a name of onnxruntime's, known since before the oldest version we admit): "1" makes
-# the intra-op pool's threads stop spinning as soon as a run returns.
+# onnxruntime session config key: "1" makes the intra-op pool's threads stop spinning as soon as a run returns (a key
+# a release does not know is stored and ignored, never an error).
 SPIN_STOP_KEY = "session.force_spinning_stop"
 
 
