@@ -93,3 +93,12 @@ def test_only_the_first_stage_reads_the_embedding_ahead(exports):
     (path, offset, length), = ranges[0]
     assert path == exports[2] / stages[0]["data_file"] and offset + length <= path.stat().st_size
     assert sparse_weight_ranges(exports[1] / "model.onnx")[0][2] == length  # the single graph's embedding
+
+
+def test_stage_sessions_stop_spinning_when_a_run_returns(exports):
+    # the stages of a process run one after another: a pool spinning on after its run takes the cores from the next
+    from dsv4_ort.runtime.session import SPIN_STOP_KEY
+
+    staged = PipelineSession(exports[2], intra_op_threads=1)
+    for runner in staged._stages.runners:
+        assert runner.session.get_session_options().get_session_config_entry(SPIN_STOP_KEY) == "1"

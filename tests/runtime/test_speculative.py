@@ -233,8 +233,8 @@ def test_arguments_and_models_without_mtp(cache, random_mtp):
 
 
 def test_both_sessions_stop_spinning_when_a_run_returns(random_mtp):
-    # a pool spinning on after its run takes the cores from the other session's next run (a draft step after a main
-    # step measured 17.2 against 9.2 ms on the bench preset)
+    # session_options: a pool spinning on after its run takes the cores from the other session's next run (a draft
+    # step after a main step measured 17.2 against 9.2 ms on the bench preset)
     from dsv4_ort.runtime.session import SPIN_STOP_KEY
 
     require_library()

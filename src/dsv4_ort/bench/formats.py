@@ -57,22 +57,23 @@ def decode_speed(sess, prompt_len: int, steps: int, repeats: int) -> float:
 
 def decode_speeds(sessions: list, prompt_len: int, steps: int, repeats: int) -> list:
     """Median decode tokens/s of each session: ``repeats`` rounds, each running every session's ``steps`` greedy
-    steps after a ``prompt_len`` prompt (the same prompt for all), in an order reversed every other round."""
-    rng = np.random.default_rng(1)
-    rates = [[] for _ in sessions]
-    order = list(range(len(sessions)))
-    for r in range(repeats):
-        prompt = rng.integers(0, min(s.vocab_size for s in sessions), (1, prompt_len))
-        for i in order if r % 2 == 0 else order[::-1]:
-            sess = sessions[i]
+    steps after the same ``prompt_len`` prompt, side by side (:func:`.timing.alternating_rounds`)."""
+    from .timing import alternating_rounds
+
+    prompt = np.random.default_rng(1).integers(0, min(s.vocab_size for s in sessions), (1, prompt_len))
+
+    def rate(sess):
+        def run():
             state = sess.new_state(1)
-            logits = sess.forward(prompt, state)
-            tok = np.array([[int(logits[0, -1].argmax())]])
+            tok = np.array([[int(sess.forward(prompt, state)[0, -1].argmax())]])
             t0 = time.perf_counter()
             for _ in range(steps):
                 tok = np.array([[int(sess.forward(tok, state)[0, -1].argmax())]])
-            rates[i].append(steps / (time.perf_counter() - t0))
-    return [statistics.median(r) for r in rates]
+            return steps / (time.perf_counter() - t0)
+        return run
+
+    rates = alternating_rounds({i: rate(sess) for i, sess in enumerate(sessions)}, repeats)
+    return [statistics.median(rates[i]) for i in range(len(sessions))]
 
 
 def prefill_speed(sess, tokens: int, repeats: int) -> float:

@@ -21,7 +21,7 @@ import traceback
 from . import machine
 from .baselines import ORT_BASELINES, TorchBaseline, best_path, ort_baseline_graph
 from .ortgraph import NodeGraph
-from .timing import fmt_time, measure
+from .timing import error_text, fmt_time, measure
 
 
 class Context:
@@ -274,7 +274,7 @@ def run_cases(cases, ctx) -> list:
                 impl = {"ours": "dsv4-ort", "ort": ORT_BASELINES.get(job[-1], (job[-1],))[0],
                         "torch": "torch_fp32" if job[-1] == "float32" else "torch_bf16"}[job[0]]
                 rec.update(impl=impl,
-                           error=f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}")
+                           error=error_text(e))
                 if job[0] == "ours":
                     rec.update(isa_cap=job[1], isa_caps=job[2], levels=job[3])
                 if ctx.settings.get("debug"):

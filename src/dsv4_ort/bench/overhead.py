@@ -88,6 +88,7 @@ def step_overhead(model_dir, *, threads: int, isa: str | None = None, context: i
 
     import dsv4_ort
     from dsv4_ort.runtime import Session
+    from dsv4_ort.runtime.session import session_options
 
     from .e2e import fill_state
 
@@ -119,9 +120,7 @@ def step_overhead(model_dir, *, threads: int, isa: str | None = None, context: i
     sess.session = timed.session
 
     with tempfile.TemporaryDirectory(prefix="dsv4-profile-") as tmp:
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = sess.threads
-        so.log_severity_level = 4
+        so = session_options(sess.threads)  # as the session it stands in for, plus the profiler
         so.enable_profiling = True
         so.profile_file_prefix = os.path.join(tmp, "decode")
         with dsv4_ort.isa_cap(isa):

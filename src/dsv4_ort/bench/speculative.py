@@ -29,22 +29,22 @@ from pathlib import Path
 
 import numpy as np
 
-from .timing import warm_page_cache
+from .timing import alternating_rounds, warm_page_cache
 
 PROJECTED_ACCEPTANCE = (0.6, 0.8, 0.9)
 
 
 def _interleaved_medians(fns: dict, repeats: int) -> dict:
-    """Median seconds of each function, timed in rounds that call every function once (the order reversed every
-    other round): this machine's bandwidth drifts within minutes, and the ratios of these costs (a verify step to a
-    plain step) must compare like with like."""
-    times = {name: [] for name in fns}
-    order = list(fns)
-    for r in range(repeats):
-        for name in order if r % 2 == 0 else order[::-1]:
+    """Median seconds of each function, timed side by side (:func:`.timing.alternating_rounds`): the ratios of
+    these costs (a verify step to a plain step) must compare like with like."""
+    def timed(fn):
+        def run():
             t0 = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - t0)
+            fn()
+            return time.perf_counter() - t0
+        return run
+
+    times = alternating_rounds({name: timed(fn) for name, fn in fns.items()}, repeats)
     return {name: statistics.median(t) for name, t in times.items()}
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from . import machine
 from .report import AGAIN
+from .timing import error_text
 
 SCHEMA = "dsv4-ort-bench/1"
 
@@ -290,7 +291,7 @@ def _run_e2e(s, threads, caps, families, limits, wanted, e2e_isa, model_dir, log
                 out["runs"] += _run_llama(s, settings, threads, log)
             except Exception as e:
                 llama_ran = False
-                msg = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+                msg = error_text(e)
                 out["runs"].append({"impl": "llama.cpp", "error": msg})
                 results["errors"].append({"where": "e2e llama.cpp", "error": msg})
                 log(f"    llama.cpp failed: {msg}")
@@ -306,7 +307,7 @@ def _run_e2e(s, threads, caps, families, limits, wanted, e2e_isa, model_dir, log
                                             deadline=again_deadline, log=log)
                     out["runs"] += [{**r, "impl": AGAIN} for r in recs if r.get("kind") == "decode"]
                 except Exception as e:
-                    msg = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+                    msg = error_text(e)
                     out["runs"].append({"impl": AGAIN, "error": msg})
                     results["errors"].append({"where": "e2e dsv4-ort again", "error": msg})
                     log(f"    dsv4-ort again failed: {msg}")
@@ -342,12 +343,12 @@ def _run_e2e(s, threads, caps, families, limits, wanted, e2e_isa, model_dir, log
                     out["runs"] += E.run_hf(config, threads=threads, settings=base_settings, deadline=deadline,
                                             log=log)
             except Exception as e:
-                msg = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+                msg = error_text(e)
                 out["runs"].append({"impl": name, "error": msg})
                 results["errors"].append({"where": f"e2e {name}", "error": msg})
                 log(f"    {name} failed: {msg}")
     except Exception as e:
-        msg = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        msg = error_text(e)
         results["errors"].append({"where": "e2e", "error": msg})
         log(f"  end to end failed: {msg}")
     return out

@@ -104,6 +104,24 @@ def measure(fn, *, units: int = 1, warmup: int = 1, reps: int = 5, min_reps: int
     return Timing(samples, units, warmup, meter.stop(), truncated=len(samples) < min(reps, min_reps))
 
 
+def alternating_rounds(fns: dict, repeats: int) -> dict:
+    """Calls every function of ``fns`` once per round, ``repeats`` rounds, in an order reversed every other round;
+    returns {name: [its return values]}. This machine's bandwidth drifts within minutes, so figures that are
+    compared with each other (a verify step with a plain one, an option with native) are taken side by side."""
+    values = {name: [] for name in fns}
+    order = list(fns)
+    for r in range(repeats):
+        for name in order if r % 2 == 0 else order[::-1]:
+            values[name].append(fns[name]())
+    return values
+
+
+def error_text(e: BaseException) -> str:
+    """One line for a failed measurement: the exception's type and the last line of its message."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[-1] if text else ''}"
+
+
 def fmt_time(s: float) -> str:
     if s is None or not math.isfinite(s):
         return "-"

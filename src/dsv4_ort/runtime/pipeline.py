@@ -52,7 +52,7 @@ import numpy as np
 from ..export.files import META_FILE, read_export_trailer
 from .sampling import check_count
 from .session import (_NOT_LOADED, ModelError, Session, _check_node_attributes, _forward_ids, _last_line,
-                      load_metadata_file, physical_cores, read_ahead, sparse_weight_ranges)
+                      load_metadata_file, physical_cores, read_ahead, session_options, sparse_weight_ranges)
 from .state import STATE_TYPES, State
 
 BACKENDS = ("local", "ray")
@@ -162,9 +162,7 @@ class StageRunner:
         self.logits_all = meta["logits"] == "all"
         threads = check_count("intra_op_threads", intra_op_threads, minimum=1) if intra_op_threads is not None \
             else physical_cores()
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = threads
-        so.log_severity_level = 4  # errors reach the caller as exceptions
+        so = session_options(threads)  # the stages of a process run one after another: no spinning between runs
         with dsv4_ort.isa_cap(isa, kernels, batch_invariant):
             dsv4_ort.register(so)
             try:

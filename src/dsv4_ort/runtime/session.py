@@ -310,6 +310,24 @@ _NOT_LOADED = object()
 SPIN_STOP_KEY = "session.force_spinning_stop"
 
 
+def session_options(threads: int):
+    """The ``onnxruntime.SessionOptions`` of every model session we open (main graph, MTP graph, pipeline stages).
+
+    ``threads`` intra-op threads. Fatal log lines only: every error reaches the caller as an exception with the same
+    text, so onnxruntime's own log lines would only repeat it (and break the one-line error of the command line).
+    The pool's threads spin between the nodes of a run (a node's work reaches them without a wake-up) and stop when
+    the run returns: spinning on after it, they took the cores from whatever the process ran next, such as another
+    session's run (a draft step of the MTP graph right after a main step: 17.2 against 9.2 ms on the bench preset,
+    2 cores), sampling or the server's threads. Plain back-to-back decode steps measured the same either way."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.log_severity_level = 4
+    so.add_session_config_entry(SPIN_STOP_KEY, "1")
+    return so
+
+
 def _forward_ids(input_ids, state, vocab: int, max_seq_len: int) -> np.ndarray:
     """The ``input_ids`` of a forward call as int64 [B, S] (S >= 1), checked against the ``state`` it advances
     (B rows, ``state.positions`` + S within ``max_seq_len``). Shared by Session and PipelineSession."""
@@ -406,16 +424,7 @@ class Session:
             intra_op_threads = check_count("intra_op_threads", intra_op_threads, minimum=1)
             if intra_op_threads > self.MAX_THREADS:
                 raise ValueError(f"intra_op_threads must be <= {self.MAX_THREADS}, got {intra_op_threads}")
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = intra_op_threads or physical_cores()
-        # Fatal only: every error reaches the caller as an exception with the same text, so onnxruntime's own log lines
-        # would only repeat it (and break the one-line error of the command line).
-        so.log_severity_level = 4
-        # The pool's threads spin between the nodes of a run (a node's work reaches them without a wake-up) and stop
-        # when the run returns: spinning on after it, they took the cores from whatever the process ran next (the
-        # MTP draft graph's own session: 17.2 against 9.2 ms a draft step on the bench preset, 2 cores; sampling, the
-        # server's threads). Plain back-to-back decode steps measured the same either way.
-        so.add_session_config_entry(SPIN_STOP_KEY, "1")
+        so = session_options(intra_op_threads or physical_cores())
         with dsv4_ort.isa_cap(isa, kernels, batch_invariant):
             dsv4_ort.register(so)
             try:

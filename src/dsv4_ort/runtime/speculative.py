@@ -257,15 +257,10 @@ class MtpSpeculator:
         self.mtp_ratios = {int(mtp["layer"]): self.mtp_ratio}
         self.mtp_meta = {"max_seq_len": meta["max_seq_len"], "state": mtp["state"]}
         path = session.model_dir / mtp["graph"]
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = session.threads
-        so.log_severity_level = 4
-        # The MTP graph runs between main-model steps with its own thread pool. Both sessions' threads spin only
-        # while a run lasts (SPIN_STOP_KEY): spinning on after it, either pool took the cores from the other's next
-        # run (a draft step after a main step: 17.2 against 9.2 ms, bench preset, 2 cores).
-        from .session import SPIN_STOP_KEY
+        from .session import session_options
 
-        so.add_session_config_entry(SPIN_STOP_KEY, "1")
+        # its own thread pool, which like the main session's spins only while a run lasts
+        so = session_options(session.threads)
         kernels = ",".join(f"{k}={v}" for k, v in sorted(session.families.items()))
         with dsv4_ort.isa_cap(session.isa, kernels, getattr(session, "batch_invariant", None) or None):
             dsv4_ort.register(so)
