@@ -83,9 +83,12 @@ void Rows(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n
 // eight for FP8 rows with bf16 products and E8M0 scales or fp32 products on the Zen 4 plan, or up to
 // WeightView::invariant_rows for FP8 rows whose scale folds).
 bool FusedDecode(ActType act, const WeightView& w, int64_t m);
+// Scratch bytes RowsFused needs (four decoded weight rows when several groups of activation rows read them; else 0).
+size_t FusedScratch(ActType act, const WeightView& w, int64_t m);
 // Rows() for FusedDecode(act, w, m): weight rows [n0, n1) against the m prepared activation rows xp (PrepareRows
-// layout, rows Pad32(w.cols) elements apart); needs no scratch.
-void RowsFused(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n0, int64_t n1, const MatOut& out);
+// layout, rows Pad32(w.cols) elements apart); scratch: FusedScratch(act, w, m) bytes.
+void RowsFused(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n0, int64_t n1, const MatOut& out,
+               void* scratch);
 
 // ---------------------------------------------------------------------------------------------------------------
 // Panels (linear_panels_avx512.cc): the LinearBlocks tiles slot of this level.

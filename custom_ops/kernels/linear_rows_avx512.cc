@@ -354,7 +354,8 @@ void PrepareRows(ActType act, const WeightView& w, const void* x, int64_t ldx, c
 
 size_t RowsScratch(ActType act, const WeightView& w, int64_t m) {
   const RowKind kind = KindOf(act, w);
-  if (kind == RowKind::kBf16Direct || kind == RowKind::kF32Direct || FusedDecode(act, w, m)) return 0;
+  if (FusedDecode(act, w, m)) return FusedScratch(act, w, m);
+  if (kind == RowKind::kBf16Direct || kind == RowKind::kF32Direct) return 0;
   const size_t elem = kind == RowKind::kF32Decoded ? sizeof(float) : sizeof(uint16_t);
   return static_cast<size_t>(RowBlock(m) * Pad32(w.cols)) * elem;
 }
@@ -362,7 +363,7 @@ size_t RowsScratch(ActType act, const WeightView& w, int64_t m) {
 void Rows(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n0, int64_t n1, const MatOut& out,
           void* scratch) {
   if (FusedDecode(act, w, m)) {
-    RowsFused(act, xp, m, w, n0, n1, out);
+    RowsFused(act, xp, m, w, n0, n1, out, scratch);
     return;
   }
   const RowKind kind = KindOf(act, w);

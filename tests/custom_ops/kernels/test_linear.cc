@@ -302,15 +302,17 @@ void TestShapes(const Variant& v, ActType act, Fmt fmt) {
 }
 
 // FP8 NaN codes decode to NaN and reach exactly the outputs that read them (against a zero activation too, with
-// either scale format, in a row's last partial chunk and in the last partial group of rows); M = 0 and N = 0 write
-// nothing; Kw = 0 gives zeros.
+// either scale format, in a row's last partial chunk and in the last partial group of rows; with and without batch
+// invariance, whose loops differ above four rows); M = 0 and N = 0 write nothing; Kw = 0 gives zeros.
 void TestNanAndEmpty(const Variant& v) {
   dsv4_test::RequireIsa(v.needs);
   Rng rng(99);
   for (ActType act : {ActType::kF32, ActType::kBf16}) {
     for (Fmt fmt : {Fmt::kFp8E8m0, Fmt::kFp8F32}) {
-      for (int64_t m : {1, 2, 3, 4, 20}) {
+      for (const auto& [m, invariant] : std::vector<std::pair<int64_t, int64_t>>{
+               {1, 0}, {2, 0}, {3, 0}, {4, 0}, {6, 0}, {20, 0}, {6, 32}, {20, 32}}) {
         Problem p = MakeProblem(rng, act, fmt, m, 39, 77, 1, 32);
+        p.w.view.invariant_rows = invariant;
         p.w.data[3 * 77 + 5] = 0x7F;
         p.w.data[17 * 77 + 76] = 0xFF;  // the row's partial last chunk
         p.w.data[38 * 77 + 40] = 0x7F;  // the last, partial group of four rows (36..38)
@@ -326,7 +328,7 @@ void TestNanAndEmpty(const Variant& v) {
           for (int64_t j = 0; j < 39; ++j) {
             const bool nan = std::isnan(got[i * 39 + j]);
             KT_CHECK(nan == (j == 3 || j == 17 || j == 38))
-                << v.name << " " << FmtName(fmt) << " M=" << m << " row " << i << " col " << j << ": "
+                << v.name << " " << FmtName(fmt) << " M=" << m << " invariant_rows=" << invariant << " row " << i << " col " << j << ": "
                 << got[i * 39 + j];
           }
         }
