@@ -85,7 +85,8 @@ def _add_serve_parser(sub, common) -> None:
     serve.add_argument("--max-queue", type=nonnegative_int, default=64,
                        help="requests that may wait while every row is taken; more are answered 429 (default 64)")
     serve.add_argument("--prefill-chunk", type=positive, default=64,
-                       help="prompt tokens prefilled per engine step (default 64)")
+                       help="prompt tokens prefilled per engine step beside decoding requests; a step with none "
+                            "decoding prefills one such chunk of every new prompt (default 64)")
     serve.add_argument("--threads", type=thread_count, default=0, help="intra-op threads (default: physical cores)")
     serve.add_argument("--api-key", default=None, metavar="KEY",
                        help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")

@@ -176,12 +176,34 @@ def test_long_prompt_prefills_in_chunks_beside_decoding(session):
 
 
 def test_short_prompts_share_a_steps_prefill_budget(session):
-    """Whole chunks of several prompts fill one step's budget (5 + 5 + 5 <= 16; the fourth waits a step)."""
-    eng = Engine(session, max_batch=4, prefill_chunk=CHUNK)
+    """Beside a decoding request, whole chunks of several prompts fill one step's budget (5 + 5 + 5 <= 16; the
+    fourth waits a step)."""
+    eng = Engine(session, max_batch=5, prefill_chunk=CHUNK)
+    first = eng.submit([2, 3], SamplingParams(max_tokens=20))
+    eng.step()
     reqs = [eng.submit([3 + i] * 5, SamplingParams(max_tokens=4)) for i in range(4)]
     eng.step()
+    assert first.events.qsize() == 2
     assert [r.events.qsize() for r in reqs] == [1, 1, 1, 0]
+    eng.step()
+    assert [r.events.qsize() for r in reqs] == [2, 2, 2, 1]
     assert [r["tokens"] for r in run_all(eng, reqs)] == [session.generate([3 + i] * 5, 4) for i in range(4)]
+
+
+def test_with_nothing_decoding_every_prompt_advances_a_chunk(session):
+    """No stream waits on a step without decoding rows: every prefilling request takes one chunk in it (a 40-token
+    prompt its first 16 tokens), whatever the budget; then the budget holds again."""
+    eng = Engine(session, max_batch=4, prefill_chunk=CHUNK)
+    long_prompt = random_ids(session.vocab_size, (40,), seed=3).tolist()
+    reqs = [eng.submit([3 + i] * 9, SamplingParams(max_tokens=3)) for i in range(3)]
+    long = eng.submit(long_prompt, SamplingParams(max_tokens=3))
+    eng.step()
+    assert [r.events.qsize() for r in reqs] == [1, 1, 1] and long.events.qsize() == 0
+    assert long.prefilled == CHUNK
+    eng.step()  # three rows decode: the long prompt's next chunk is the step's whole budget
+    assert long.prefilled == 2 * CHUNK and [r.events.qsize() for r in reqs] == [2, 2, 2]
+    results = run_all(eng, reqs + [long])
+    assert [r["tokens"] for r in results] == [session.generate(r.prompt, 3) for r in reqs + [long]]
 
 
 # ---- request life cycle ----------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ decoding rows stay contiguous; a freed row is reused at once with its position r
 
 Per step (:meth:`Engine.step`): cancelled requests leave, waiting requests take free rows, one decode call runs
 over rows ``[0, k)``, then prefill chunks of the oldest prefilling requests run, each on its row, up to
-``prefill_chunk`` tokens in all (at least one chunk). Chunk boundaries are multiples of ``prefill_chunk`` from
+``prefill_chunk`` tokens in all (at least one chunk) when requests are decoding, one chunk of every prefilling
+request when none is (nothing waits on that step). Chunk boundaries are multiples of ``prefill_chunk`` from
 position 0, whatever else runs, so a request's prefill is the same computation alone or beside others; its decode
 steps differ only in how many rows share the call. With a session made with ``batch_invariant >= max_batch``
 (``dsv4-ort serve`` does that) that changes nothing: every row of a decode call is computed, bit for bit, as it
@@ -412,14 +413,18 @@ class Engine:
             if self.mstate is not None:
                 self.mstate.positions[row] = 0
             self._prefilling.append(req)
-        if self._decoding:
+        decoding = bool(self._decoding)
+        if decoding:
             self._decode() if self.spec is None else self._decode_speculative()
         # prefill budget: whole chunks of the oldest prefilling requests, up to prefill_chunk tokens (at least one
-        # chunk); a chunk is never cut to fit, so its boundaries stay multiples of prefill_chunk
+        # chunk) while requests decode, since each of them waits for the step; with none decoding, no stream waits,
+        # so every prefilling request advances by one chunk (requests arriving together start decoding together
+        # instead of each new prompt's step stalling the streams already started). A chunk is never cut to fit, so
+        # its boundaries stay multiples of prefill_chunk.
         used = 0
         for req in list(self._prefilling):
             n = min(self.prefill_chunk, int(req.prompt.shape[0]) - req.prefilled)
-            if used and used + n > self.prefill_chunk:
+            if decoding and used and used + n > self.prefill_chunk:
                 break
             self._prefill(req)
             used += n
