@@ -209,6 +209,30 @@ def test_bench_out_is_checked_before_running(capsys, tmp_path, monkeypatch):
     code, _, err = cli(capsys, "bench", "--smoke", "--quiet", "--model-dir", str(tmp_path / "none"),
                        "--out", str(tmp_path / "fresh"))
     assert code == 2 and "--model-dir" in one_line(err)
+    for bad in (["--serving-tokens", "8"], ["--serving-tokens", "8,16,32"],
+                ["--serving-compute", "bf16", "--model-dir", str(tmp_path)]):
+        code, _, err = cli(capsys, "bench", "--serving", "--quiet", *bad, "--out", str(tmp_path / "fresh"))
+        assert code == 2 and bad[0] in one_line(err)
+
+
+def test_bench_serving_options_reach_the_run(capsys, tmp_path, monkeypatch):
+    pytest.importorskip("starlette")
+    pytest.importorskip("uvicorn")
+    from dsv4_ort.bench import serving
+
+    seen = {}
+
+    def fake(preset, **kw):
+        seen.update(kw, preset=preset)
+        return {"preset": preset, "compute": kw["compute"], "machine": {"cpu": "x"}, "threads": 1, "max_batch": 16,
+                "prompt_tokens": kw["prompt_tokens"], "max_tokens": kw["max_tokens"], "rows": []}
+
+    monkeypatch.setattr(serving, "run", fake)
+    code, out, _ = cli(capsys, "bench", "--serving", "--quiet", "--serving-tokens", "8,128", "--serving-compute",
+                       "bf16", "--out", str(tmp_path / "o"))
+    assert code == 0 and seen["preset"] == "bench" and seen["compute"] == "bf16"
+    assert (seen["prompt_tokens"], seen["max_tokens"]) == (8, 128)
+    assert "--compute bf16 export" in out and "prompt 8 tokens, 128 output tokens" in out
 
 
 @pytest.mark.parametrize("exc,status", [(RuntimeError(), 1), (RuntimeError("\n  \n"), 1), (ValueError(""), 2),

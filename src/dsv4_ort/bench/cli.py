@@ -133,6 +133,11 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "process on loopback with 1, 4 and 16 concurrent streaming clients: output tokens/s, TTFT "
                         "and inter-token latency p50 / p99 (needs the serve extra); writes serving.json + "
                         "serving.md into --out")
+    p.add_argument("--serving-tokens", type=_ints, default=None, metavar="P,O",
+                   help="--serving: prompt tokens and output tokens per client (default 48,32; 48,8 with --smoke)")
+    p.add_argument("--serving-compute", choices=("fp32", "bf16"), default="fp32",
+                   help="--serving: the preset's export products (--compute of dsv4-ort export; default fp32; "
+                        "not with --model-dir)")
     p.add_argument("--speculative", action="store_true",
                    help="instead of the suite: MTP speculative decoding on the bench preset (verify and draft step "
                         "costs against a decode step, greedy tokens/s with and without, the speed-up projected at "
@@ -169,8 +174,10 @@ def _run_mode(name: str, module, args, log) -> tuple:
         return module.run(("tiny",) if args.smoke else ("tiny", "bench"), threads=args.threads, log=log), \
             module.markdown
     if name == "serving":
+        prompt, output = args.serving_tokens or ((48, 8) if args.smoke else (48, 32))
         return module.run("tiny" if args.smoke else "bench", threads=args.threads, model_dir=args.model_dir,
-                          max_tokens=8 if args.smoke else 32, log=log), module.markdown
+                          prompt_tokens=prompt, max_tokens=output, compute=args.serving_compute, log=log), \
+            module.markdown
     return module.suite(smoke=args.smoke, threads=args.threads, log=log), module.suite_markdown
 
 
@@ -179,6 +186,10 @@ def cmd_bench(args) -> int:
     check_out_dir(args.out)
     if args.model_dir is not None and not os.path.isdir(args.model_dir):
         raise FileNotFoundError(f"--model-dir {args.model_dir!r} does not exist")
+    if args.serving_tokens is not None and len(args.serving_tokens) != 2:
+        raise ValueError(f"--serving-tokens takes two counts (prompt,output), got {args.serving_tokens}")
+    if args.serving_compute != "fp32" and args.model_dir is not None:
+        raise ValueError("--serving-compute chooses the preset's export; a --model-dir export has its own")
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     for name, needs, extra in _MODES:  # the single-case modes, instead of the suite
         if not getattr(args, name):

@@ -8,7 +8,7 @@ Per N we report output tokens/s over all clients (output tokens / wall time from
 last stream closed), TTFT and ITL p50 / p99. Server start-up is not timed. Only the standard library is used on
 the client side, so the bench needs nothing beyond the ``serve`` extra.
 
-usage: dsv4-ort bench --serving [--smoke] [--out DIR] [--threads N]
+usage: dsv4-ort bench --serving [--smoke] [--out DIR] [--threads N] [--serving-tokens P,O] [--serving-compute bf16]
 """
 
 from __future__ import annotations
@@ -135,8 +135,9 @@ def measure(host: str, port: int, clients: int, *, prompt: list, max_tokens: int
 
 
 def run(preset: str = "bench", *, clients=CLIENTS, prompt_tokens: int = 48, max_tokens: int = 32,
-        threads: int | None = None, model_dir=None, log=None, timeout: float = 600) -> dict:
-    """The serving rounds on ``preset`` (exported once into the bench cache) or on ``model_dir``."""
+        threads: int | None = None, model_dir=None, compute: str = "fp32", log=None, timeout: float = 600) -> dict:
+    """The serving rounds on ``preset`` (exported once into the bench cache, with ``compute`` products) or on
+    ``model_dir``."""
     from dsv4_ort.runtime.session import physical_cores
 
     from .formats import export_option
@@ -146,7 +147,8 @@ def run(preset: str = "bench", *, clients=CLIENTS, prompt_tokens: int = 48, max_
     threads = int(threads or physical_cores())
     exported = model_dir is None
     if exported:
-        model_dir = export_option(preset, "native", "native", max(256, prompt_tokens + max_tokens + 8), log)
+        model_dir = export_option(preset, "native", "native", max(256, prompt_tokens + max_tokens + 8), log,
+                                  compute=compute)
     vocab = json.loads((Path(model_dir) / "dsv4_ort.json").read_text())["config"]["vocab_size"]
     prompt = [2 + (7919 * i) % (vocab - 2) for i in range(prompt_tokens)]
     warm_page_cache(model_dir)
@@ -161,13 +163,16 @@ def run(preset: str = "bench", *, clients=CLIENTS, prompt_tokens: int = 48, max_
     finally:
         rc = server.stop()
     return {"preset": preset if exported else Path(model_dir).name, "model_dir": str(model_dir),
+            "compute": compute if exported else None,
             "threads": threads, "max_batch": max(clients), "prompt_tokens": prompt_tokens,
             "max_tokens": max_tokens, "server_exit": rc, "rows": rows,
             "machine": {"cpu": _cpuinfo()["model"], "threads": threads}}
 
 
 def markdown(result: dict) -> str:
-    lines = [f"Serving ({result['preset']} preset behind dsv4-ort serve, loopback; CPU: {result['machine']['cpu']}, "
+    compute = f", --compute {result['compute']} export" if result.get("compute") else ""
+    lines = [f"Serving ({result['preset']} preset{compute} behind dsv4-ort serve, loopback; "
+             f"CPU: {result['machine']['cpu']}, "
              f"{result['threads']} threads, --max-batch {result['max_batch']}; prompt {result['prompt_tokens']} "
              f"tokens, {result['max_tokens']} output tokens per client)", "",
              "| clients | output tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |", "|---|---|---|---|"]
