@@ -70,6 +70,15 @@ def _add_serve_parser(sub, common) -> None:
             raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
         return v
 
+    def window_ms(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+        if not 0 <= v <= 10000:  # NaN fails too
+            raise argparse.ArgumentTypeError(f"must be 0 .. 10000 milliseconds, got {text}")
+        return v
+
     def port(text: str) -> int:
         v = nonnegative_int(text)
         if v > 65535:
@@ -87,6 +96,10 @@ def _add_serve_parser(sub, common) -> None:
     serve.add_argument("--prefill-chunk", type=positive, default=64,
                        help="prompt tokens prefilled per engine step beside decoding requests; a step with none "
                             "decoding prefills one such chunk of every new prompt (default 64)")
+    serve.add_argument("--admission-window", type=window_ms, default=10.0, metavar="MS",
+                       help="an idle engine, woken by a request, waits until none has arrived for MS milliseconds "
+                            "(at most 4 x MS) so that requests sent together start together; 0: at once "
+                            "(default 10)")
     serve.add_argument("--threads", type=thread_count, default=0, help="intra-op threads (default: physical cores)")
     serve.add_argument("--api-key", default=None, metavar="KEY",
                        help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")

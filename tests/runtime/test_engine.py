@@ -5,6 +5,7 @@ incremental detokenizer."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -204,6 +205,23 @@ def test_with_nothing_decoding_every_prompt_advances_a_chunk(session):
     assert long.prefilled == 2 * CHUNK and [r.events.qsize() for r in reqs] == [2, 2, 2]
     results = run_all(eng, reqs + [long])
     assert [r["tokens"] for r in results] == [session.generate(r.prompt, 3) for r in reqs + [long]]
+
+
+def test_admission_window_gathers_requests_sent_together(session):
+    """An idle engine woken by one request waits for the ones sent right after it: both are prefilled in the first
+    step (with max_tokens 1 each request finishes in its prefill step, so the step count tells)."""
+    eng = Engine(session, max_batch=4, prefill_chunk=CHUNK, admission_window=0.5).start()
+    try:
+        a = eng.submit([3, 4, 5], SamplingParams(max_tokens=1))
+        time.sleep(0.05)
+        b = eng.submit([6, 7], SamplingParams(max_tokens=1))
+        assert a.result(60)["tokens"] == session.generate([3, 4, 5], 1)
+        assert b.result(60)["tokens"] == session.generate([6, 7], 1)
+        assert eng.stats["steps"] == 1
+    finally:
+        eng.stop()
+    with pytest.raises(ValueError, match="admission_window"):
+        Engine(session, max_batch=1, admission_window=-1)
 
 
 # ---- request life cycle ----------------------------------------------------------------------------------------

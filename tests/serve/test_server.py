@@ -75,7 +75,9 @@ def test_missing_extra_is_a_one_line_error(model):
 
 @pytest.mark.parametrize("args, what", [(["--port", "70000"], "--port"), (["--max-batch", "0"], "--max-batch"),
                                         (["--prefill-chunk", "x"], "--prefill-chunk"),
-                                        (["--max-queue", "-1"], "--max-queue")])
+                                        (["--max-queue", "-1"], "--max-queue"),
+                                        (["--admission-window", "-5"], "--admission-window"),
+                                        (["--admission-window", "nan"], "--admission-window")])
 def test_bad_arguments(model, args, what):
     r = _cli("serve", str(model), *args)
     assert r.returncode == 2 and what in r.stderr and r.stderr.count("\n") == 1

@@ -64,7 +64,8 @@ def run(args) -> int:
                            pipeline=pipeline)
     try:
         engine = Engine(session, max_batch=args.max_batch, max_queue=args.max_queue,
-                        prefill_chunk=args.prefill_chunk, speculative=speculative, num_draft=num_draft).start()
+                        prefill_chunk=args.prefill_chunk, speculative=speculative, num_draft=num_draft,
+                        admission_window=getattr(args, "admission_window", 10.0) / 1e3).start()
     except Exception:
         if hasattr(session, "close"):
             session.close()
