@@ -207,6 +207,26 @@ def test_with_nothing_decoding_every_prompt_advances_a_chunk(session):
     assert [r["tokens"] for r in results] == [session.generate(r.prompt, 3) for r in reqs + [long]]
 
 
+def test_first_tokens_of_a_step_go_out_after_its_prefill(session, monkeypatch):
+    """Prompts finished in one step send their first tokens when the step's last prefill call is done, not each
+    right after its own call (which would hold the first request's second token behind the later prompts)."""
+    calls = []
+    forward = session.forward
+    monkeypatch.setattr(session, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    eng = Engine(session, max_batch=3, prefill_chunk=CHUNK)
+    seen, tokens = [], [[], [], []]
+
+    def on_event(i):
+        return lambda ev: (seen.append(len(calls)), tokens[i].append(ev.token_id))
+
+    for i in range(3):
+        eng.submit([3 + i] * 4, SamplingParams(max_tokens=2), on_event=on_event(i))
+    eng.step()
+    assert seen == [3, 3, 3]  # every first token after the third prefill call
+    eng.run_until_idle()
+    assert tokens == [session.generate([3 + i] * 4, 2) for i in range(3)]
+
+
 def test_admission_window_gathers_requests_sent_together(session):
     """An idle engine woken by one request waits for the ones sent right after it: both are prefilled in the first
     step (with max_tokens 1 each request finishes in its prefill step, so the step count tells)."""

@@ -445,14 +445,21 @@ class Engine:
         # chunk) while requests decode, since each of them waits for the step; with none decoding, no stream waits,
         # so every prefilling request advances by one chunk (requests arriving together start decoding together
         # instead of each new prompt's step stalling the streams already started). A chunk is never cut to fit, so
-        # its boundaries stay multiples of prefill_chunk.
+        # its boundaries stay multiples of prefill_chunk. The first tokens of the prompts finished in the step go
+        # out when its prefill is done, together, as from one batched prefill: a request whose prompt came first
+        # would otherwise stream its first token, then wait for every later prompt of the step before its second.
         used = 0
+        finished = []
         for req in list(self._prefilling):
             n = min(self.prefill_chunk, int(req.prompt.shape[0]) - req.prefilled)
             if decoding and used and used + n > self.prefill_chunk:
                 break
-            self._prefill(req)
+            logits = self._prefill(req)
+            if logits is not None:
+                finished.append((req, logits))
             used += n
+        for req, logits in finished:
+            self._emit_sampled(req, logits)
 
     def _view(self, start: int, stop: int):
         key = (start, stop)
@@ -539,7 +546,8 @@ class Engine:
             req.catch_h = hidden[0, P - 1 - start:].copy()
         return logits[:, -1]
 
-    def _prefill(self, req: Request) -> None:
+    def _prefill(self, req: Request) -> np.ndarray | None:
+        """One chunk of ``req``'s prompt; the last chunk's logits (the first token's) once the prompt is done."""
         start = req.prefilled
         chunk = req.prompt[start:start + self.prefill_chunk]
         try:
@@ -550,17 +558,17 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - this request fails, the engine goes on
             self._release(req)
             self._finish(req, "error", error=f"prefill failed: {' '.join(str(e).split()) or type(e).__name__}")
-            return
+            return None
         req.prefilled += chunk.shape[0]
         if req.prefilled < req.prompt.shape[0]:
-            return
+            return None
         # prompt done: the request joins the decoding rows at row k (its first token comes from these logits)
         self._prefilling.remove(req)
         self._move(req, len(self._decoding))
         self._decoding.append(req)
         with self._lock:
             self.stats["prompt_tokens"] += int(req.prompt.shape[0])
-        self._emit_sampled(req, logits)
+        return logits
 
     def _move(self, req: Request, row: int) -> None:
         """Puts ``req``'s sequence in ``row`` (swapping with a prefilling request there, if any)."""
