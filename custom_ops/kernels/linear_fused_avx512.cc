@@ -2,6 +2,9 @@
 // four activation rows (FusedDecode), decoded in registers inside the inner loop (RowsFused), four weight rows at a
 // time, with the same per-accumulator operation sequence as the scratch-decoded loops of linear_rows_avx512.cc.
 // Each weight byte is read once and nothing is written back: FP8 moves half and FP4 a quarter of the bytes of bf16.
+// FP8 rows whose scales fold into bf16 products go this way for more activation rows too (batch invariance, or up
+// to eight rows); there the four weight rows are decoded once into a small scratch that every group of four
+// activation rows reads (FusedScratch, DecodeFp8Bf16Rows), with the in-register loop's accumulator sequence.
 #include "custom_ops/kernels/isa_prelude.h"
 
 #include "custom_ops/kernels/linear_avx512_internal.h"

@@ -33,3 +33,5 @@ def test_serving_rounds_on_tiny(cache, tmp_path):
     serving.write(result, tmp_path)
     md = (tmp_path / "serving.md").read_text()
     assert "| clients | output tok/s |" in md and md.count("\n| ") == 3  # the header and two rows
+    ratio = result["rows"][1]["output_tok_s"] / result["rows"][0]["output_tok_s"]
+    assert f"2 clients against 1: output tokens/s {ratio:.2f}x, ITL p99" in md

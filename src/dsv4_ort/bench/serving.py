@@ -179,6 +179,12 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         lines.append(f"| {r['clients']} | {r['output_tok_s']:.1f} | {r['ttft_ms']['p50']:.0f} / "
                      f"{r['ttft_ms']['p99']:.0f} | {r['itl_ms']['p50']:.1f} / {r['itl_ms']['p99']:.1f} |")
+    rows = result["rows"]
+    if len(rows) > 1 and rows[0]["clients"] == 1:  # how batching pays: throughput and ITL p99 ratios
+        one, most = rows[0], rows[-1]
+        lines += ["", f"{most['clients']} clients against 1: output tokens/s "
+                      f"{most['output_tok_s'] / one['output_tok_s']:.2f}x, ITL p99 "
+                      f"{most['itl_ms']['p99'] / one['itl_ms']['p99']:.2f}x"]
     return "\n".join(lines) + "\n"
 
 
