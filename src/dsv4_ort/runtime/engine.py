@@ -14,7 +14,9 @@ decoding rows stay contiguous; a freed row is reused at once with its position r
 Per step (:meth:`Engine.step`): cancelled requests leave, waiting requests take free rows, one decode call runs
 over rows ``[0, k)``, then prefill chunks of the oldest prefilling requests run, each on its row, up to
 ``prefill_chunk`` tokens in all (at least one chunk) when requests are decoding, one chunk of every prefilling
-request when none is (nothing waits on that step). Chunk boundaries are multiples of ``prefill_chunk`` from
+request when none is (nothing waits on that step); the first tokens of the prompts finished in the step are sent
+when its prefill is done. With the engine thread (:meth:`start`) and ``admission_window`` > 0, an idle engine woken
+by a request first waits for the requests sent with it. Chunk boundaries are multiples of ``prefill_chunk`` from
 position 0, whatever else runs, so a request's prefill is the same computation alone or beside others; its decode
 steps differ only in how many rows share the call. With a session made with ``batch_invariant >= max_batch``
 (``dsv4-ort serve`` does that) that changes nothing: every row of a decode call is computed, bit for bit, as it
@@ -419,7 +421,8 @@ class Engine:
         return n
 
     def step(self) -> None:
-        """Cancellations, admissions, one decode call over the decoding rows, one prefill chunk."""
+        """Cancellations, admissions, one decode call over the decoding rows, the step's prefill chunks (see the
+        module docstring), then the first tokens of the prompts they finished."""
         self.stats["steps"] += 1
         for req in [r for r in self._decoding + self._prefilling if r.cancelled.is_set()]:
             self._release(req)
