@@ -65,7 +65,7 @@ def run(args) -> int:
     try:
         engine = Engine(session, max_batch=args.max_batch, max_queue=args.max_queue,
                         prefill_chunk=args.prefill_chunk, speculative=speculative, num_draft=num_draft,
-                        admission_window=getattr(args, "admission_window", 10.0) / 1e3).start()
+                        admission_window=args.admission_window / 1e3).start()
     except Exception:
         if hasattr(session, "close"):
             session.close()

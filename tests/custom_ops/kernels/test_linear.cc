@@ -328,8 +328,8 @@ void TestNanAndEmpty(const Variant& v) {
           for (int64_t j = 0; j < 39; ++j) {
             const bool nan = std::isnan(got[i * 39 + j]);
             KT_CHECK(nan == (j == 3 || j == 17 || j == 38))
-                << v.name << " " << FmtName(fmt) << " M=" << m << " invariant_rows=" << invariant << " row " << i << " col " << j << ": "
-                << got[i * 39 + j];
+                << v.name << " " << FmtName(fmt) << " M=" << m << " invariant_rows=" << invariant << " row " << i
+                << " col " << j << ": " << got[i * 39 + j];
           }
         }
       }
