@@ -112,6 +112,23 @@ struct LinearBlocks {
   int64_t tile_min_rows_in_place[2] = {0, 0};
 };
 
+// FP4 weight rows against int8-quantised bf16 activation rows: the rows path of the FP4 experts' compute="int8"
+// (moe_experts.h; numerics/int8_blocks.h). Prepared row layout, the same at every level: per 64 columns (blocks b0
+// and b1; past the row's end, b1 is all zero) 192 bytes:
+//   64 int8 codes   [b0 even columns | b1 even | b0 odd | b1 odd], 16 each: the order in which the FP4 bytes'
+//                   low and high nibbles come out, so a 32-byte weight load needs no interleaving;
+//   16 int32        -12 x the sum of the 4 codes of each 4-byte lane: VPDPBUSD multiplies unsigned bytes, so the
+//                   weights enter as 2 e2m1 + 12 (0..24) and this starting value takes the 12 x sum(q) back out;
+//   16 fp32         the block scale / 2 of each lane (lanes 0-3 and 8-11: b0; 4-7 and 12-15: b1).
+struct Int8Fp4Rows {
+  // dst row i = bf16 row index[i] (i when index is null) of x, rows ldx elements apart, cols a multiple of 32.
+  void (*prepare)(const uint16_t* x, int64_t ldx, const int64_t* index, int64_t m, int64_t cols, void* dst);
+  // out[i][j - n0] = row j of the FP4 weight w against prepared row i, for j in [n0, n1); fp32, unrounded.
+  void (*rows)(const void* xp, int64_t m, const WeightView& w, int64_t n0, int64_t n1, const MatOut& out);
+};
+constexpr int64_t kInt8ChunkBytes = 192;  // per 64 columns
+inline size_t Int8RowBytes(int64_t cols) { return static_cast<size_t>((cols + 63) / 64 * kInt8ChunkBytes); }
+
 // Drivers: the LinearKernels / MoeExpertsKernels slot semantics (linear.h, moe_experts.h) on a level's blocks.
 // f32_out (bf16 activations only): fp32 outputs, unrounded (the bf16 compute mode).
 void RunLinear(const LinearBlocks& b, ActType act, const void* x, int64_t m, const WeightView& w, int64_t groups,
@@ -119,9 +136,10 @@ void RunLinear(const LinearBlocks& b, ActType act, const void* x, int64_t m, con
 // The f32bf16_* slots: x rounded to bf16, then RunLinear with bf16 activations and fp32 outputs.
 void RunLinearBf16Products(const LinearBlocks& b, const float* x, int64_t m, const WeightView& w, int64_t groups,
                            float* y, const Parallel& par);
+// int8 (FP4 experts, bf16 activations only): compute="int8" on those rows functions instead of b's matmuls.
 void RunMoeExperts(const LinearBlocks& b, ActType act, const void* x, int64_t tokens, const float* weights,
                    const int64_t* indices, int64_t top_k, const ExpertWeights& w, float swiglu_limit, void* y,
-                   const Parallel& par);
+                   const Parallel& par, const Int8Fp4Rows* int8 = nullptr);
 
 // Levels. The amx_emu blocks are the AMX sources built against the tile emulation (test builds only), with
 // portable rows and decoding, so that the tiles path is tested on any CPU.
@@ -132,6 +150,7 @@ extern const MoeExpertsKernels kMoeExperts;
 }  // namespace avx2
 namespace avx512 {
 extern const LinearBlocks kLinearBlocks;
+extern const Int8Fp4Rows kInt8Fp4Rows;
 extern const LinearKernels kLinear;
 extern const MoeExpertsKernels kMoeExperts;
 // Shared with the AMX tiles: W rows [n0, n0 + rows) x columns [k0, k0 + kc) as bf16 (exact decode, rounded to bf16
@@ -158,6 +177,7 @@ extern const LinearBlocks kLinearBlocks;
 // Portable (baseline) versions of the pieces above, used by amx_emu and as the specification of the layouts.
 namespace portable {
 extern const LinearBlocks kRowBlocks;  // rows path only
+extern const Int8Fp4Rows kInt8Fp4Rows;
 void DecodeRowsBf16(const WeightView& w, int64_t n0, int64_t rows, int64_t k0, int64_t kc, uint16_t* dst,
                     int64_t ld);
 void PrepareTileBlocks(ActType act, const void* x, int64_t ldx, const int64_t* index, int64_t m, int64_t kw,

@@ -18,6 +18,14 @@
 // clamp, as DeepSeek's reference does (functional.swiglu would clamp to [L, L] instead). NaN propagates through
 // the clamp. silu(g) = g / (1 + exp(-g)).
 //
+// compute="int8" (FP4 weights, bf16 activations; slot bf16_fp4_int8): as above with bf16 activations, but each
+// matmul operand row (x_t for W1 / W3, a for W2) is first quantised to int8 per 32-column block
+// (numerics/int8_blocks.h: codes q, scale s), and each product of a block is an integer sum:
+//   (W x)_n = sum_b s_b * 2^(e_nb - 127) / 2 * sum_{k in b} q_k * (2 e2m1(code_nk))      [exact int32 inner sums]
+// The fp32 combination of the blocks may be reassociated by the levels (as the sums above). This is what lets
+// AVX512-VNNI run 64 products per VPDPBUSD on FP4 codes widened by one byte shuffle, as llama.cpp's
+// MXFP4 x Q8_0 dot products do; the reference computes it block by block.
+//
 // Work split: tokens are grouped by expert with a counting sort, so each used expert's weights are read once per
 // call (per token chunk, see kMoeActivationBudget). Phase 1 runs (expert, block of I rows) items in parallel and
 // writes a for every (token, slot) assignment; phase 2 runs blocks of the d output rows of W2 in parallel, each
@@ -66,6 +74,7 @@ struct MoeExpertsKernels {
   MoeExpertsBf16Fn bf16_dense;
   MoeExpertsBf16Fn bf16_fp8;
   MoeExpertsBf16Fn bf16_fp4;
+  MoeExpertsBf16Fn bf16_fp4_int8;  // compute="int8"
 };
 
 namespace ref {

@@ -71,7 +71,16 @@ size_t BlockScratch(const LinearBlocks& b, ActType act, const WeightView& w, int
 }
 
 void Prepare(const LinearBlocks& b, ActType act, const WeightView& w, const void* x, int64_t ldx,
-             const int64_t* index, int64_t count, bool tiles, uint8_t* dst, int64_t block_begin, int64_t block_end) {
+             const int64_t* index, int64_t count, bool tiles, uint8_t* dst, int64_t block_begin, int64_t block_end,
+             const Int8Fp4Rows* int8) {
+  if (int8 != nullptr) {  // compute="int8": bf16 rows quantised, in 16-row blocks
+    const int64_t r0 = block_begin * 16, r1 = std::min(count, block_end * 16);
+    if (r1 <= r0) return;
+    const uint16_t* src = static_cast<const uint16_t*>(x) + (index != nullptr ? 0 : r0 * ldx);
+    int8->prepare(src, ldx, index != nullptr ? index + r0 : nullptr, r1 - r0, w.cols,
+                  dst + static_cast<size_t>(r0) * Int8RowBytes(w.cols));
+    return;
+  }
   if (tiles) {
     b.prepare_tiles(act, x, ldx, index, count, w.cols, block_begin, block_end, dst);
     return;
@@ -89,7 +98,8 @@ void Prepare(const LinearBlocks& b, ActType act, const WeightView& w, const void
 // the thread pool, in items of up to `chunk` 16-row blocks.
 template <class OperandOf>
 void PrepareAll(const LinearBlocks& b, ActType act, const WeightView& w, const std::vector<ExpertJob>& jobs,
-                OperandOf operand, uint8_t* buffer, bool use_a_offset, const Parallel& par) {
+                OperandOf operand, uint8_t* buffer, bool use_a_offset, const Parallel& par,
+                const Int8Fp4Rows* int8) {
   struct Item {
     size_t job;
     int64_t b0, b1;
@@ -114,7 +124,7 @@ void PrepareAll(const LinearBlocks& b, ActType act, const WeightView& w, const s
     const int64_t* index;
     operand(j, &x, &ldx, &index);
     Prepare(b, act, w, x, ldx, index, j.count, j.tiles, buffer + (use_a_offset ? j.a_offset : j.x_offset),
-            items[i].b0, items[i].b1);
+            items[i].b0, items[i].b1, int8);
   });
 }
 
@@ -122,22 +132,39 @@ void PrepareAll(const LinearBlocks& b, ActType act, const WeightView& w, const s
 
 void RunMoeExperts(const LinearBlocks& b, ActType act, const void* x, int64_t tokens, const float* weights,
                    const int64_t* indices, int64_t top_k, const ExpertWeights& w, float swiglu_limit, void* y,
-                   const Parallel& par) {
+                   const Parallel& par, const Int8Fp4Rows* int8) {
   const int64_t dim = w.w1.cols, inter = w.w1.rows, experts = w.num_experts;
   const bool dense = indices == nullptr;
   const int64_t k = dense ? 1 : top_k;
   assert((weights == nullptr) == dense && (!dense || experts == 1) && experts >= 1);
   assert(w.w2.rows == dim && w.w2.cols == inter && w.w3.rows == inter && w.w3.cols == dim);
   if (tokens == 0 || dim == 0) return;
-  if (!b.rows_supported(act, w.w1) || !b.rows_supported(act, w.w2) || !b.rows_supported(act, w.w3) || inter == 0) {
+  assert(int8 == nullptr || (act == ActType::kBf16 && w.w1.format == WeightFormat::kFp4E2M1 &&
+                             w.w2.format == WeightFormat::kFp4E2M1 && w.w3.format == WeightFormat::kFp4E2M1));
+  if (int8 != nullptr && inter == 0) {
+    ref::kMoeExperts.bf16_fp4_int8(static_cast<const uint16_t*>(x), tokens, weights, indices, top_k, w,
+                                   swiglu_limit, static_cast<uint16_t*>(y), par);
+    return;
+  }
+  if (int8 == nullptr &&
+      (!b.rows_supported(act, w.w1) || !b.rows_supported(act, w.w2) || !b.rows_supported(act, w.w3) || inter == 0)) {
     RunReference(act, x, tokens, weights, indices, top_k, w, swiglu_limit, y, par);
     return;
   }
   const bool bf16 = act == ActType::kBf16;
   const size_t elem = bf16 ? sizeof(uint16_t) : sizeof(float);
   const int64_t min_tile_rows = b.tile_min_rows[static_cast<int>(act)];
-  const bool tiles13 = b.tiles != nullptr && b.tiles_supported(act, w.w1) && b.tiles_supported(act, w.w3);
-  const bool tiles2 = b.tiles != nullptr && b.tiles_supported(act, w.w2);
+  // compute="int8" has the rows path only (int8 rows functions for every M)
+  const bool tiles13 = int8 == nullptr && b.tiles != nullptr && b.tiles_supported(act, w.w1) &&
+                       b.tiles_supported(act, w.w3);
+  const bool tiles2 = int8 == nullptr && b.tiles != nullptr && b.tiles_supported(act, w.w2);
+  const auto operand_bytes = [&](const WeightView& wv, int64_t count, bool tiles) {
+    return int8 != nullptr ? RoundUp64(static_cast<size_t>(count) * Int8RowBytes(wv.cols))
+                           : OperandBytes(b, act, wv, count, tiles);
+  };
+  const auto block_scratch = [&](const WeightView& wv, int64_t count, bool tiles) {
+    return int8 != nullptr ? size_t{0} : BlockScratch(b, act, wv, count, tiles);
+  };
 
   const int64_t chunk = std::max<int64_t>(
       1, std::min<int64_t>(tokens, static_cast<int64_t>(kMoeActivationBudget / sizeof(float)) /
@@ -184,10 +211,10 @@ void RunMoeExperts(const LinearBlocks& b, ActType act, const void* x, int64_t to
       for (size_t i = first; i < all.size(); ++i) {
         ExpertJob j = all[i];
         const bool t13 = tiles13 && j.tiles, t2 = tiles2 && j.tiles;
-        const size_t need = OperandBytes(b, act, w.w1, j.count, t13) + OperandBytes(b, act, w.w2, j.count, t2);
+        const size_t need = operand_bytes(w.w1, j.count, t13) + operand_bytes(w.w2, j.count, t2);
         if (!batch.empty() && bytes + need > kMoeActivationBudget) break;
         j.x_offset = bytes;
-        j.a_offset = bytes + OperandBytes(b, act, w.w1, j.count, t13);
+        j.a_offset = bytes + operand_bytes(w.w1, j.count, t13);
         bytes += need;
         batch.push_back(j);
       }
@@ -200,9 +227,9 @@ void RunMoeExperts(const LinearBlocks& b, ActType act, const void* x, int64_t to
       const auto uses_tiles = [&](const ExpertJob& j, bool stage2) { return (stage2 ? tiles2 : tiles13) && j.tiles; };
       size_t s1 = 0, s2 = 0;
       for (const ExpertJob& j : batch) {
-        s1 = std::max(s1, std::max(BlockScratch(b, act, w.w1, j.count, uses_tiles(j, false)),
-                                   BlockScratch(b, act, w.w3, j.count, uses_tiles(j, false))));
-        s2 = std::max(s2, BlockScratch(b, act, w.w2, j.count, uses_tiles(j, true)));
+        s1 = std::max(s1, std::max(block_scratch(w.w1, j.count, uses_tiles(j, false)),
+                                   block_scratch(w.w3, j.count, uses_tiles(j, false))));
+        s2 = std::max(s2, block_scratch(w.w2, j.count, uses_tiles(j, true)));
       }
       // Work units: blocks of I rows (stages 1-2) and of d rows (stage 4); wide (see kWideMaxRows) takes blocks of
       // kWideRows I rows and one block of d rows per task.
@@ -232,7 +259,7 @@ void RunMoeExperts(const LinearBlocks& b, ActType act, const void* x, int64_t to
             *ld = dim;
             *index = slot_token.data() + j.begin;
           },
-          operands.bytes(), false, par);
+          operands.bytes(), false, par, int8);
 
       // 2. gate/up + SwiGLU: items (expert, block of unit1 rows of I).
       struct Item1 {
@@ -256,9 +283,14 @@ void RunMoeExperts(const LinearBlocks& b, ActType act, const void* x, int64_t to
           const WeightView w1 = WeightSlice(w.w1, j.expert), w3 = WeightSlice(w.w3, j.expert);
           const int64_t rows = item.i1 - item.i0;
           const uint8_t* xp = operands.bytes() + j.x_offset;
-          const auto mm = j.tiles ? b.tiles : b.rows;
-          mm(act, xp, j.count, w1, item.i0, item.i1, MatOut{g, rows, false}, base);
-          mm(act, xp, j.count, w3, item.i0, item.i1, MatOut{u, rows, false}, base);
+          if (int8 != nullptr) {
+            int8->rows(xp, j.count, w1, item.i0, item.i1, MatOut{g, rows, false});
+            int8->rows(xp, j.count, w3, item.i0, item.i1, MatOut{u, rows, false});
+          } else {
+            const auto mm = j.tiles ? b.tiles : b.rows;
+            mm(act, xp, j.count, w1, item.i0, item.i1, MatOut{g, rows, false}, base);
+            mm(act, xp, j.count, w3, item.i0, item.i1, MatOut{u, rows, false}, base);
+          }
           for (int64_t p = 0; p < j.count; ++p) {
             const int64_t pos = j.begin + p;
             if (b.moe_swiglu != nullptr) {
@@ -289,7 +321,7 @@ void RunMoeExperts(const LinearBlocks& b, ActType act, const void* x, int64_t to
             *ld = inter;
             *index = nullptr;
           },
-          operands.bytes(), true, par);
+          operands.bytes(), true, par, int8);
 
       // 4. down projection: tasks over blocks of d rows, experts in ascending order inside. Wide: one block per
       //    task, whose experts' outputs are all computed before they are added (same order, same sums).
@@ -314,8 +346,12 @@ void RunMoeExperts(const LinearBlocks& b, ActType act, const void* x, int64_t to
           float* o = out;
           for (const ExpertJob& j : batch) {
             const WeightView w2 = WeightSlice(w.w2, j.expert);
-            (j.tiles ? b.tiles : b.rows)(act, operands.bytes() + j.a_offset, j.count, w2, cb, ce,
-                                         MatOut{o, cols, false}, base);
+            if (int8 != nullptr) {
+              int8->rows(operands.bytes() + j.a_offset, j.count, w2, cb, ce, MatOut{o, cols, false});
+            } else {
+              (j.tiles ? b.tiles : b.rows)(act, operands.bytes() + j.a_offset, j.count, w2, cb, ce,
+                                           MatOut{o, cols, false}, base);
+            }
             if (wide) {
               o += j.count * cols;
             } else {
@@ -355,21 +391,28 @@ void Bf16Slot(const uint16_t* x, int64_t tokens, const float* weights, const int
   RunMoeExperts(*B, ActType::kBf16, x, tokens, weights, indices, top_k, w, limit, y, par);
 }
 
-template <const LinearBlocks* B>
+template <const LinearBlocks* B, const Int8Fp4Rows* I>
+void Bf16Int8Slot(const uint16_t* x, int64_t tokens, const float* weights, const int64_t* indices, int64_t top_k,
+                  const ExpertWeights& w, float limit, uint16_t* y, const Parallel& par) {
+  RunMoeExperts(*B, ActType::kBf16, x, tokens, weights, indices, top_k, w, limit, y, par, I);
+}
+
+template <const LinearBlocks* B, const Int8Fp4Rows* I>
 constexpr MoeExpertsKernels MakeTable() {
-  return {F32Slot<B>, F32Slot<B>, F32Slot<B>, Bf16Slot<B>, Bf16Slot<B>, Bf16Slot<B>};
+  return {F32Slot<B>, F32Slot<B>, F32Slot<B>, Bf16Slot<B>, Bf16Slot<B>, Bf16Slot<B>, Bf16Int8Slot<B, I>};
 }
 
 }  // namespace
 
 namespace avx2 {
-extern const MoeExpertsKernels kMoeExperts = MakeTable<&kLinearBlocks>();
+// no VNNI at this level: the portable int8 rows
+extern const MoeExpertsKernels kMoeExperts = MakeTable<&kLinearBlocks, &portable::kInt8Fp4Rows>();
 }  // namespace avx2
 namespace avx512 {
-extern const MoeExpertsKernels kMoeExperts = MakeTable<&kLinearBlocks>();
+extern const MoeExpertsKernels kMoeExperts = MakeTable<&kLinearBlocks, &kInt8Fp4Rows>();
 }  // namespace avx512
 namespace amx {
-extern const MoeExpertsKernels kMoeExperts = MakeTable<&kLinearBlocks>();
+extern const MoeExpertsKernels kMoeExperts = MakeTable<&kLinearBlocks, &avx512::kInt8Fp4Rows>();
 }  // namespace amx
 #endif
 

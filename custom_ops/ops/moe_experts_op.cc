@@ -4,7 +4,8 @@
 // expert) once, when the kernel is created, and not again per call. Constant FP8 expert weights are scanned once for
 // NaN codes; without any, the kernels take their NaN-free decode (WeightView::fp8_finite). Expert weights are used
 // in place. compute="bf16" runs fp32 x through the bf16 slot (x rounded to bf16, y widened back): the experts then
-// compute as DeepSeek's bf16 reference does, on the bf16 products of VDPBF16PS / AMX-BF16.
+// compute as DeepSeek's bf16 reference does, on the bf16 products of VDPBF16PS / AMX-BF16. MoeExpertsFp4's
+// compute="int8" runs as compute="bf16" through the int8 slot (matmul operands quantised per 32-column block).
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -34,7 +35,7 @@ class MoeExpertsKernelBase : public Kernel {
         limit_(init.attrs->Float("swiglu_limit")),
         invariant_rows_(init.tables->invariant_rows),
         prefetch_(init.tables->weight_prefetch),
-        bf16_products_(init.attrs->String("compute") == "bf16") {}
+        bf16_products_(init.attrs->String("compute") != "fp32") {}
 
   // Validates the constant scale inputs s1, s2, s3 once (all experts); CheckUsedScales then skips those buffers.
   void CheckConstantScales(const KernelInit& init) {
@@ -175,7 +176,7 @@ class MoeExpertsKernelBase : public Kernel {
   const float limit_;
   const int64_t invariant_rows_;  // DSV4_ORT_BATCH_INVARIANT of the session's plan
   const bool prefetch_;           // the plan's weight prefetch (WeightView::prefetch)
-  const bool bf16_products_;      // compute="bf16": fp32 x through the bf16 slot
+  const bool bf16_products_;      // compute="bf16" (or "int8"): fp32 x through the bf16 slot
   const void* checked_scales_[3] = {nullptr, nullptr, nullptr};  // constant s1, s2, s3 validated at creation
 };
 
@@ -254,7 +255,10 @@ class MoeExpertsFp8Kernel final : public MoeExpertsKernelBase {
 
 class MoeExpertsFp4Kernel final : public MoeExpertsKernelBase {
  public:
-  explicit MoeExpertsFp4Kernel(const KernelInit& init) : MoeExpertsKernelBase(init) { CheckConstantScales(init); }
+  explicit MoeExpertsFp4Kernel(const KernelInit& init)
+      : MoeExpertsKernelBase(init), int8_(init.attrs->String("compute") == "int8") {
+    CheckConstantScales(init);
+  }
 
   void Compute(ComputeContext& ctx) override {
     const InputView &w1 = ctx.Input(kW1), &w2 = ctx.Input(kW2);
@@ -273,10 +277,12 @@ class MoeExpertsFp4Kernel final : public MoeExpertsKernelBase {
     w.w2 = Quantised(w2, s2, dim, inter);
     w.w3 = Quantised(ctx.Input(kW3), s3, inter, dim);
     w.num_experts = experts;
-    Run(ctx, w, r, k_.f32_fp4, k_.bf16_fp4);
+    Run(ctx, w, r, k_.f32_fp4, int8_ ? k_.bf16_fp4_int8 : k_.bf16_fp4);
   }
 
  private:
+  const bool int8_;  // compute="int8": bf16 activations, matmul operands quantised to int8 (moe_experts.h)
+
   static WeightView Quantised(const InputView& t, const InputView& s, int64_t rows, int64_t cols) {
     WeightView w = View(t, WeightFormat::kFp4E2M1, rows, cols);
     w.scale = s.data;

@@ -557,23 +557,54 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.float().clamp(max=limit)) * up.float().clamp(-limit, limit)
 
 
+def quantize_int8_blocks(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 activation codes of the FP4 experts' compute="int8" (custom_ops/numerics/int8_blocks.h).
+
+    v [..., n], n a multiple of 32, cut into blocks of 32: amax = max |v| (NaN if any value is), scale
+    s = amax / 127 (NaN when amax is not finite), codes q = round_half_even(v * (127 / amax)) in float32 (0 when
+    amax is 0 or not finite). Returns q [..., n] (integers in [-127, 127], as float32) and s [..., n / 32].
+    """
+    b = v.float().reshape(*v.shape[:-1], -1, 32)
+    amax = b.abs().amax(-1)
+    finite = torch.isfinite(amax)
+    scale = torch.where(finite, amax / 127, torch.full_like(amax, float("nan")))
+    inv = torch.where(finite & (amax > 0), 127 / amax, torch.zeros_like(amax))
+    q = torch.nan_to_num(torch.round(b * inv.unsqueeze(-1)), nan=0.0)
+    return q.reshape(v.shape), scale
+
+
+def linear_int8(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` with x quantised by :func:`quantize_int8_blocks` (compute="int8"); w [N, K] the exact weights.
+
+    Evaluated in float64 (every block product of the kernels is an exact integer sum); returns float32.
+    """
+    q, s = quantize_int8_blocks(x)
+    xd = (q.double().reshape(*q.shape[:-1], -1, 32) * s.double().unsqueeze(-1)).reshape(q.shape)
+    return F.linear(xd, w.double()).float()
+
+
 def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, *, swiglu_limit: float,
-               weight: torch.Tensor | None = None) -> torch.Tensor:
+               weight: torch.Tensor | None = None, int8: bool = False) -> torch.Tensor:
     """One expert: ``w2(weight * swiglu(w1 x, w3 x))``; x [T, d], w1/w3 [I, d], w2 [d, I], weight [T] or None.
 
-    The routing weight is applied to the float32 activation before w2. Returns [T, d] in x.dtype.
+    The routing weight is applied to the float32 activation before w2. Returns [T, d] in x.dtype. int8: each
+    matmul's input quantised per 32 columns (:func:`linear_int8`; MoeExpertsFp4 compute="int8", x in bfloat16).
     """
-    a = swiglu(F.linear(x, w1.to(x.dtype)), F.linear(x, w3.to(x.dtype)), swiglu_limit)
+    def lin(v, w):
+        return linear_int8(v, w).to(x.dtype) if int8 else F.linear(v, w.to(x.dtype))
+
+    a = swiglu(lin(x, w1), lin(x, w3), swiglu_limit)
     if weight is not None:
         a = a * weight.float().unsqueeze(-1)
-    return F.linear(a.to(x.dtype), w2.to(x.dtype))
+    return lin(a.to(x.dtype), w2)
 
 
 def moe_ffn(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
             w1: torch.Tensor | Sequence[torch.Tensor], w2: torch.Tensor | Sequence[torch.Tensor],
             w3: torch.Tensor | Sequence[torch.Tensor], *, swiglu_limit: float,
-            shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Routed experts plus the shared expert.
+            shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, int8: bool = False
+            ) -> torch.Tensor:
+    """Routed experts plus the shared expert (int8: the routed experts as :func:`expert_ffn` with int8).
 
     x [T, d]; weights [T, k] float32, indices [T, k] int64 (from route_topk / route_hash);
     w1, w3: [E, I, d] and w2: [E, d, I] (stacked tensors or sequences of E matrices);
@@ -585,12 +616,12 @@ def moe_ffn(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
     if not _eager():  # static graph: every expert on every token, non-routed pairs weighted 0
         dense = torch.zeros(x.shape[0], len(w1), device=x.device).scatter(1, indices, weights.float())
         for e in range(len(w1)):
-            y += expert_ffn(x, w1[e], w2[e], w3[e], swiglu_limit=swiglu_limit, weight=dense[:, e]).float()
+            y += expert_ffn(x, w1[e], w2[e], w3[e], swiglu_limit=swiglu_limit, weight=dense[:, e], int8=int8).float()
         indices = indices[:0]
     for e in torch.unique(indices).tolist():
         tok, slot = torch.where(indices == e)
         y.index_add_(0, tok, expert_ffn(x[tok], w1[e], w2[e], w3[e], swiglu_limit=swiglu_limit,
-                                        weight=weights[tok, slot]).float())
+                                        weight=weights[tok, slot], int8=int8).float())
     if shared is not None:
         y += expert_ffn(x, *shared, swiglu_limit=swiglu_limit).float()
     return y.to(x.dtype)

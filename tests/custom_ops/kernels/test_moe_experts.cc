@@ -354,7 +354,95 @@ void TestBatchInvariant(const Variant& v, ActType act, Fmt fmt) {
   }
 }
 
+// compute="int8" (slot bf16_fp4_int8): each level's table against the reference's int8 slot (same codes, block sums
+// exact; only the fp32 combination and the rounding points differ, so the bf16 tolerance of TestVariant holds),
+// thread-independent, batch-invariant at any bound (the int8 rows compute each activation row alone); and the mode
+// does change the result, by about the quantisation error, against the bf16 slot.
+using TableFn = const dsv4::MoeExpertsKernels* (*)();
+struct Int8Variant {
+  std::string name;
+  IsaLevel needs;
+  TableFn table;
+};
+
+std::vector<Int8Variant> Int8Variants() {
+  std::vector<Int8Variant> v;
+#if DSV4_X86_VARIANTS
+  v.push_back({"avx2", IsaLevel::kAvx2, [] { return &dsv4::avx2::kMoeExperts; }});
+  v.push_back({"avx512", IsaLevel::kAvx512, [] { return &dsv4::avx512::kMoeExperts; }});
+  v.push_back({"amx", IsaLevel::kAmx, [] { return &dsv4::amx::kMoeExperts; }});
+#endif
+  return v;
+}
+
+std::vector<float> RunInt8(const dsv4::MoeExpertsKernels& k, const Problem& p, const dsv4::Parallel& par,
+                           bool int8 = true) {
+  const int64_t dim = p.ew.w1.cols;
+  std::vector<uint16_t> y(p.tokens * dim, 0xBEEF);
+  (int8 ? k.bf16_fp4_int8 : k.bf16_fp4)(p.x16.data(), p.tokens, p.indices.empty() ? nullptr : p.weights.data(),
+                                         p.indices.empty() ? nullptr : p.indices.data(), p.top_k, p.ew, p.limit,
+                                         y.data(), par);
+  return dsv4_test::FromBf16(y);
+}
+
+void TestInt8(const Int8Variant& v) {
+  dsv4_test::RequireIsa(v.needs);
+  Rng rng(1300);
+  const dsv4_test::ThreadParallel threads(3);
+  const dsv4::MoeExpertsKernels& k = *v.table();
+  struct Case {
+    int64_t tokens, experts, k, dim, inter;
+    float limit;
+    bool dense;
+  };
+  // d / I multiples of 32 but not of 64 (a half chunk at the row's end), decode and prefill token counts
+  for (const Case& c : {Case{1, 6, 2, 96, 64, 10.0f, false}, Case{17, 6, 3, 96, 160, 1.5f, false},
+                        Case{40, 5, 2, 64, 96, 0.0f, false}, Case{23, 1, 1, 160, 96, 10.0f, true},
+                        Case{2, 8, 3, 160, 288, 10.0f, false}}) {
+    const Problem p = MakeProblem(rng, ActType::kBf16, Fmt::kFp4, c.tokens, c.experts, c.k, c.dim, c.inter, 32,
+                                  c.limit, c.dense);
+    const std::string what = v.name + " int8 " + Describe(p, Fmt::kFp4);
+    const std::vector<float> want = RunInt8(dsv4::ref::kMoeExperts, p, dsv4::SerialParallel());
+    const std::vector<float> got = RunInt8(k, p, threads.Get());
+    ExpectMatches(what, ActType::kBf16, got, want);
+    dsv4_test::ExpectIdentical(what + " serial vs threads", RunInt8(k, p, dsv4::SerialParallel()), got);
+    // against bf16 products: int8 codes carry ~7 bits per block, so outputs move by ~1e-2 of their scale, not more
+    const std::vector<float> bf16 = RunInt8(dsv4::ref::kMoeExperts, p, dsv4::SerialParallel(), false);
+    double ss = 0.0, diff = 0.0;
+    for (size_t i = 0; i < bf16.size(); ++i) {
+      ss += static_cast<double>(bf16[i]) * bf16[i];
+      diff += (static_cast<double>(want[i]) - bf16[i]) * (static_cast<double>(want[i]) - bf16[i]);
+    }
+    KT_CHECK(diff > 0.0) << what << ": compute=int8 gave the bf16 result exactly";
+    KT_CHECK(diff < 1e-3 * ss) << what << ": int8 vs bf16 relative squared error " << diff / ss;
+  }
+  // batch invariance: token t of a 24-token call equals token t alone, bit for bit
+  Problem all = MakeProblem(rng, ActType::kBf16, Fmt::kFp4, 24, 6, 2, 96, 64, 32, 10.0f, false);
+  const std::vector<float> got = RunInt8(k, all, threads.Get());
+  for (int64_t t = 0; t < all.tokens; ++t) {
+    Problem one = all;
+    one.tokens = 1;
+    one.x16.assign(all.x16.begin() + t * 96, all.x16.begin() + (t + 1) * 96);
+    one.indices.assign(all.indices.begin() + t * 2, all.indices.begin() + (t + 1) * 2);
+    one.weights.assign(all.weights.begin() + t * 2, all.weights.begin() + (t + 1) * 2);
+    const std::vector<float> alone = RunInt8(k, one, threads.Get());
+    KT_CHECK(std::memcmp(alone.data(), got.data() + t * 96, 96 * sizeof(float)) == 0)
+        << v.name << " int8: token " << t << " of 24 differs from the token computed alone";
+  }
+  // a NaN activation makes its token's outputs NaN (its block scale is NaN) and no other token's
+  Problem nan = MakeProblem(rng, ActType::kBf16, Fmt::kFp4, 5, 6, 2, 96, 64, 32, 10.0f, false);
+  nan.x16[2 * 96 + 40] = 0x7FC0;
+  const std::vector<float> y = RunInt8(k, nan, threads.Get());
+  for (int64_t t = 0; t < nan.tokens; ++t) {
+    for (int64_t c = 0; c < 96; ++c) {
+      KT_CHECK(std::isnan(y[t * 96 + c]) == (t == 2)) << v.name << " int8 NaN in token 2: token " << t << " output "
+                                                      << c << " = " << y[t * 96 + c];
+    }
+  }
+}
+
 const bool kRegistered = [] {
+  for (const Int8Variant& v : Int8Variants()) kt::Register("moe_experts_" + v.name + "_bf16_fp4_int8", [v] { TestInt8(v); });
   for (const Variant& v : Variants()) {
     for (ActType act : {ActType::kF32, ActType::kBf16}) {
       for (Fmt fmt : kFormats) {

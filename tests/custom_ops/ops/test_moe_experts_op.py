@@ -377,3 +377,62 @@ def test_moe_experts_bf16_compute_leaves_bf16_activations_alone(isa):
     inputs = {"x": x, "weights": weights, "indices": indices, "w1": w1.data, "w2": w2.data, "w3": w3.data}
     np.testing.assert_array_equal(run_op("MoeExperts", inputs, {"compute": "bf16"}, isa)[0],
                                   run_op("MoeExperts", inputs, {}, isa)[0])
+
+
+# ---- MoeExpertsFp4 compute="int8": bf16 activations, matmul inputs quantised per 32 columns ----
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_moe_experts_fp4_int8_compute(isa, shape):
+    """Against functional.moe_ffn(int8=True) / expert_ffn(int8=True) (float64 block products) within bf16
+    tolerance, routed and dense-MLP mode; fp32 x gives bit for bit the op on bf16(x); and the result is not the
+    compute="bf16" one, but within its quantisation distance of it."""
+    tokens, experts, k, dim, inter = shape
+    rng = np.random.default_rng(tokens * 7 + dim)
+    x, _ = activations(rng, tokens, dim, "float32")
+    xt = torch.from_numpy(bf16_to_f32(bf16(x))).to(torch.bfloat16)
+    weights, indices = routing(rng, tokens, experts, k, unused=(experts - 1,))
+    routed, dense = expert_weights(rng, experts, inter, dim, "fp4"), expert_weights(rng, 1, inter, dim, "fp4")
+    for wt, idx, w in ((weights, indices, routed), (None, None, dense)):
+        w1, w2, w3 = w
+        inputs = {"x": x, "weights": wt, "indices": idx, "w1": w1.data, "w2": w2.data, "w3": w3.data,
+                  "s1": w1.scale, "s2": w2.scale, "s3": w3.scale}
+        y = run_op("MoeExpertsFp4", inputs, {"compute": "int8"}, isa)[0]
+        d1, d2, d3 = (v.dense for v in w)
+        if idx is None:
+            want = Fn.expert_ffn(xt, d1[0], d2[0], d3[0], swiglu_limit=10.0, int8=True)
+        else:
+            want = Fn.moe_ffn(xt, torch.from_numpy(wt), torch.from_numpy(idx), d1, d2, d3, swiglu_limit=10.0,
+                              int8=True)
+        # A one-ulp difference at a bf16 rounding point (h1, h3, a: fp32 against float64 sums) can move a block's
+        # amax and with it all 32 codes of that block by a step: most outputs agree to bf16 precision, the rest to
+        # within a quantisation step of the output scale.
+        want = want.float().numpy()
+        close = np.isclose(y, want, **tol("bfloat16"))
+        assert close.mean() > 0.98, f"{(~close).sum()} of {close.size} outputs beyond bf16 tolerance"
+        np.testing.assert_allclose(y, want, rtol=2**-6, atol=0.02 * float(np.abs(want).max(initial=1.0)))
+        np.testing.assert_array_equal(y, run_op("MoeExpertsFp4", {**inputs, "x": bf16(x)}, {"compute": "int8"},
+                                                isa)[0])
+        products_bf16 = run_op("MoeExpertsFp4", inputs, {"compute": "bf16"}, isa)[0]
+        assert not np.array_equal(y, products_bf16)
+        np.testing.assert_allclose(y, products_bf16, rtol=0,
+                                   atol=0.05 * float(np.abs(products_bf16).max(initial=1.0)))
+
+
+def test_moe_experts_int8_compute_is_fp4_only():
+    inputs = {"x": np.ones((1, 64), np.float32), "weights": np.ones((1, 1), np.float32),
+              "indices": np.zeros((1, 1), np.int64), "w1": np.ones((2, 32, 64), np.float32),
+              "w2": np.ones((2, 64, 32), np.float32), "w3": np.ones((2, 32, 64), np.float32)}
+    msg = session_error("MoeExperts", inputs, {"compute": "int8"})
+    assert "compute" in msg and "int8" in msg
+
+
+def test_quantize_int8_blocks_spec():
+    """The Python spec of the codes: half-even ties, amax 0, NaN and infinity blocks."""
+    v = torch.zeros(4, 32)
+    v[0, :5] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.49])
+    v[2, 3] = float("nan")
+    v[3, 1] = float("inf")
+    q, s = Fn.quantize_int8_blocks(v)
+    assert q[0, :5].tolist() == [127.0, 2.0, -4.0, 0.0, -0.0] and s[0].item() == 1.0
+    assert not q[1].any() and s[1].item() == 0.0
+    assert not q[2].any() and torch.isnan(s[2]).all() and not q[3].any() and torch.isnan(s[3]).all()
