@@ -19,6 +19,9 @@ def test_formats_smoke(tmp_path, monkeypatch, capsys):
     assert native["nmse"] == 0 and native["top1_agreement"] == 1
     assert 0 < rows[("fp8", "native", "fp32")]["nmse"] < 1e-2  # the head alone in FP8: a small change
     assert 0 < rows[("native", "native", "bf16")]["nmse"] < 1e-2  # bf16 products: a small change
+    # int8 experts: bf16 products plus the experts' int8 inputs, another (small) change
+    assert 0 < rows[("native", "native", "int8")]["nmse"] < 5e-2
+    assert rows[("native", "native", "int8")]["nmse"] != rows[("native", "native", "bf16")]["nmse"]
     fp32 = [o for o in OPTIONS if o[2] == "fp32"]
     mb = [rows[o]["mb_per_token"] for o in fp32]
     assert mb == sorted(mb, reverse=True) and mb[-1] < mb[0]  # smaller formats read fewer bytes

@@ -135,7 +135,7 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "serving.md into --out")
     p.add_argument("--serving-tokens", type=_ints, default=None, metavar="P,O",
                    help="--serving: prompt tokens and output tokens per client (default 48,32; 48,8 with --smoke)")
-    p.add_argument("--serving-compute", choices=("fp32", "bf16"), default="fp32",
+    p.add_argument("--serving-compute", choices=("fp32", "bf16", "int8"), default="fp32",
                    help="--serving: the preset's export products (--compute of dsv4-ort export; default fp32; "
                         "not with --model-dir)")
     p.add_argument("--speculative", action="store_true",

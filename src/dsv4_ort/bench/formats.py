@@ -1,7 +1,7 @@
 """Weight-format options side by side: quality against ``native`` and decode speed, in one run on one CPU.
 
 Each option is an export of the same preset weights (seed 0) with ``--head`` / ``--dense`` (see
-:func:`dsv4_ort.export.weights.requantize`) and ``--compute`` (fp32 or bf16 products in the linears). Quality is teacher-forced: both models read the same random token
+:func:`dsv4_ort.export.weights.requantize`) and ``--compute`` (fp32, bf16 or int8 products). Quality is teacher-forced: both models read the same random token
 sequence one token at a time (decode steps, so every position's logits are compared) and we report the logit NMSE
 ``sum((l - l_native)^2) / sum(l_native^2)`` over all steps and the top-1 agreement (fraction of steps whose argmax
 equals native's). Speed is decode tokens/s after a short prompt, with the bytes one decode step reads (the bench
@@ -25,7 +25,8 @@ import numpy as np
 
 # (head, dense, compute) options measured, native first (the reference of the quality columns).
 OPTIONS = (("native", "native", "fp32"), ("native", "native", "bf16"), ("fp8", "native", "fp32"),
-           ("fp8", "fp8", "fp32"), ("fp8", "fp4", "fp32"), ("fp4", "fp4", "fp32"), ("fp4", "fp4", "bf16"))
+           ("fp8", "fp8", "fp32"), ("fp8", "fp4", "fp32"), ("fp4", "fp4", "fp32"), ("fp4", "fp4", "bf16"),
+           ("native", "native", "int8"))
 
 
 def export_option(preset: str, head: str, dense: str, max_seq_len: int, log, compute: str = "fp32") -> Path:

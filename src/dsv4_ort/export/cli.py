@@ -96,10 +96,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dense", choices=("native", "fp8", "fp4"), default="native",
                    help="the same for the dense projections (attention, compressor, indexer, shared experts; not the "
                         "routers, embedding or routed experts)")
-    p.add_argument("--compute", choices=("fp32", "bf16"), default="fp32",
-                   help="products of the linears' and MoE experts' float32 activations: fp32 (exact; default) or "
+    p.add_argument("--compute", choices=("fp32", "bf16", "int8"), default="fp32",
+                   help="products of the linears' and MoE experts' float32 activations: fp32 (exact; default), "
                         "bf16 (activations and weights rounded to bf16, fp32 sums; the experts as for bf16 activations: "
-                        "AVX512-BF16 / AMX-BF16 speed for prefill and batches)")
+                        "AVX512-BF16 / AMX-BF16 speed for prefill and batches) or int8 (bf16, and the FP4 routed "
+                        "experts' inputs quantised to int8 per 32 columns for VNNI integer products; see the "
+                        "README for where it pays and its quality cost)")
     p.add_argument("--max-seq-len", type=_positive_int, default=None, metavar="N",
                    help="state capacity in positions per row; a multiple of every compress ratio (default: "
                         "min(4096, max_position_embeddings))")

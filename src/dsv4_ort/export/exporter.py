@@ -207,7 +207,8 @@ def export_model(checkpoint_dir, out_dir, *, preset: str | None = None, weights:
             not the routers, the embedding or the routed experts).
         compute: products of the linears' and MoE experts' fp32 activations: ``fp32`` (exact) or ``bf16``
             (activations and weights rounded to bf16, fp32 sums: VDPBF16PS and single-pass AMX-BF16 tiles; the experts
-            run as for bf16 activations; the op attribute ``compute``).
+            run as for bf16 activations; the op attribute ``compute``) or ``int8`` (as ``bf16``, and the FP4 routed
+            experts' matmul inputs quantised to int8 per 32 columns: MoeExpertsFp4 ``compute="int8"``).
         progress: tqdm bar over the tensors written.
         check: run ``onnx.checker.check_model(full_check=True)`` on the graph before writing it.
         stages: None (one graph), or pipeline stages: a count N or layer ranges (``"0:2,2:4"`` or ``[(0, 2), (2,

@@ -45,7 +45,9 @@ from . import schema
 
 FLOAT, BF16, I64, U8 = (schema.ONNX_TYPES[t] for t in ("float", "bfloat16", "int64", "uint8"))
 STATE_FORMATS = ("default", "fp8")
-COMPUTE_MODES = ("fp32", "bf16")  # products of the linears' and experts' fp32 activations (op attribute "compute")
+# Products of the linears' and experts' fp32 activations (op attribute "compute"). int8: bf16 products, except the
+# FP4 routed experts, whose matmul inputs are quantised to int8 per 32 columns (MoeExpertsFp4 compute="int8").
+COMPUTE_MODES = ("fp32", "bf16", "int8")
 ACT = FLOAT  # activation and state dtype of the exported graph
 OPSET = 21
 IR_VERSION = 10  # opset 21 needs IR 10; onnxruntime 1.21 reads IR <= 10
@@ -320,7 +322,8 @@ class DecoderGraph:
         w = self._w(weight)
         outputs = {"y": out}
         grp = groups if groups != 1 else None
-        compute = self.compute if self.compute != "fp32" else None  # the attribute's default is fp32
+        # the attribute's default is fp32; int8 is an FP4-expert mode, the linears take bf16 products
+        compute = {"fp32": None, "int8": "bf16"}.get(self.compute, self.compute)
         if w.fmt == "fp8":
             if w.block[0] != w.block[1]:
                 raise GraphBuildError(f"{weight}: FP8 blocks {w.block} are not square; export with --weights bf16")
@@ -357,7 +360,8 @@ class DecoderGraph:
             if "block_size" in {a.name for a in _spec(op).attributes}:
                 attrs["block_size"] = int(ws[0].block[0])
         if self.compute != "fp32":  # the attribute's default is fp32
-            attrs["compute"] = self.compute
+            attrs["compute"] = "int8" if self.compute == "int8" and op == "MoeExpertsFp4" else (
+                "bf16" if self.compute == "int8" else self.compute)
         return self.g.custom(op, ins, {"y": out}, out, **attrs)[0]
 
     # ------------------------------------------------------------------------------------------- graph

@@ -101,7 +101,7 @@ void TestPrepare(const Level& level) {
 void TestRows(const Level& level) {
   dsv4_test::RequireIsa(level.needs);
   Rng rng(43);
-  for (int64_t cols : {32, 96, 512}) {
+  for (int64_t cols : {32, 96, 512, 16416}) {
     for (int64_t m : {1, 3, 8, 11}) {
       const int64_t n = 13;
       std::vector<float> xf(m * cols);
