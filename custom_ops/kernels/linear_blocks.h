@@ -145,6 +145,7 @@ void RunMoeExperts(const LinearBlocks& b, ActType act, const void* x, int64_t to
 // portable rows and decoding, so that the tiles path is tested on any CPU.
 namespace avx2 {
 extern const LinearBlocks kLinearBlocks;
+extern const Int8Fp4Rows kInt8Fp4Rows;
 extern const LinearKernels kLinear;
 extern const MoeExpertsKernels kMoeExperts;
 }  // namespace avx2

@@ -405,8 +405,7 @@ constexpr MoeExpertsKernels MakeTable() {
 }  // namespace
 
 namespace avx2 {
-// no VNNI at this level: the portable int8 rows
-extern const MoeExpertsKernels kMoeExperts = MakeTable<&kLinearBlocks, &portable::kInt8Fp4Rows>();
+extern const MoeExpertsKernels kMoeExperts = MakeTable<&kLinearBlocks, &kInt8Fp4Rows>();
 }  // namespace avx2
 namespace avx512 {
 extern const MoeExpertsKernels kMoeExperts = MakeTable<&kLinearBlocks, &kInt8Fp4Rows>();

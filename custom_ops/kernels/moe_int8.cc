@@ -1,5 +1,5 @@
 // Portable Int8Fp4Rows (linear_blocks.h): the prepared-row layout written and read in plain C++, the specification
-// the AVX512 version follows byte for byte, and the rows path of the levels without VNNI (AVX2). Baseline ISA.
+// the AVX2 and AVX512 versions follow byte for byte. Baseline ISA.
 #include <cstring>
 
 #include "custom_ops/kernels/linear_blocks.h"
@@ -12,40 +12,7 @@ namespace dsv4 {
 namespace portable {
 namespace {
 
-// Position of column c (0..63) of a chunk in its 64 codes: [b0 even | b1 even | b0 odd | b1 odd].
-inline int64_t CodeSlot(int64_t c) { return (c & 1) * 32 + (c >> 5) * 16 + ((c & 31) >> 1); }
-
-void Prepare(const uint16_t* x, int64_t ldx, const int64_t* index, int64_t m, int64_t cols, void* dst) {
-  const size_t row_bytes = Int8RowBytes(cols);
-  float v[kInt8Block];
-  int8_t q[kInt8Block];
-  for (int64_t i = 0; i < m; ++i) {
-    const uint16_t* src = x + (index != nullptr ? index[i] : i) * ldx;
-    uint8_t* out = static_cast<uint8_t*>(dst) + static_cast<size_t>(i) * row_bytes;
-    std::memset(out, 0, row_bytes);
-    for (int64_t c0 = 0; c0 < cols; c0 += 64) {
-      uint8_t* chunk = out + (c0 / 64) * kInt8ChunkBytes;
-      int8_t* codes = reinterpret_cast<int8_t*>(chunk);
-      int32_t bias[16] = {};
-      float scale[16] = {};
-      for (int64_t b = 0; b < 2 && c0 + b * kInt8Block < cols; ++b) {
-        for (int64_t k = 0; k < kInt8Block; ++k) v[k] = Bf16ToF32(src[c0 + b * kInt8Block + k]);
-        const float s = QuantizeInt8Block(v, kInt8Block, q);
-        for (int64_t k = 0; k < kInt8Block; ++k) codes[CodeSlot(b * kInt8Block + k)] = q[k];
-        for (int64_t lane = 0; lane < 16; ++lane) {
-          if (((lane >> 2) & 1) == b) scale[lane] = s * 0.5f;
-        }
-      }
-      for (int64_t lane = 0; lane < 16; ++lane) {
-        int32_t sum = 0;
-        for (int64_t j = 0; j < 4; ++j) sum += codes[lane * 4 + j];
-        bias[lane] = -12 * sum;
-      }
-      std::memcpy(chunk + 64, bias, sizeof(bias));
-      std::memcpy(chunk + 128, scale, sizeof(scale));
-    }
-  }
-}
+#include "custom_ops/kernels/moe_int8_prepare.inc"
 
 // The 64 weight bytes of a chunk in code order (2 e2m1 + 12), and the per-lane weight scales 2^(e - 127).
 void DecodeChunk(const uint8_t* codes, const uint8_t* scales, int64_t c0, int64_t cols, uint8_t* wq, float* ws) {

@@ -33,6 +33,7 @@ struct Level {
 std::vector<Level> Levels() {
   std::vector<Level> v = {{"portable", IsaLevel::kScalar, &dsv4::portable::kInt8Fp4Rows}};
 #if DSV4_X86_VARIANTS
+  v.push_back({"avx2", IsaLevel::kAvx2, &dsv4::avx2::kInt8Fp4Rows});
   v.push_back({"avx512", IsaLevel::kAvx512, &dsv4::avx512::kInt8Fp4Rows});
 #endif
   return v;
