@@ -113,21 +113,25 @@ struct LinearBlocks {
 };
 
 // FP4 weight rows against int8-quantised bf16 activation rows: the rows path of the FP4 experts' compute="int8"
-// (moe_experts.h; numerics/int8_blocks.h). Prepared row layout, the same at every level: per 64 columns (blocks b0
-// and b1; past the row's end, b1 is all zero) 192 bytes:
+// (moe_experts.h; numerics/int8_blocks.h). Each level prepares rows in its own layout (row_bytes, prepare and rows
+// belong together); the codes and scales in it are always numerics/int8_blocks.h's. The portable layout (also the
+// AVX2 level's; the AVX512 one is in moe_int8_avx512.cc): per 64 columns (blocks b0 and b1; past the row's end, b1
+// is all zero) 192 bytes:
 //   64 int8 codes   [b0 even columns | b1 even | b0 odd | b1 odd], 16 each: the order in which the FP4 bytes'
 //                   low and high nibbles come out, so a 32-byte weight load needs no interleaving;
 //   16 int32        -12 x the sum of the 4 codes of each 4-byte lane: VPDPBUSD multiplies unsigned bytes, so the
 //                   weights enter as 2 e2m1 + 12 (0..24) and this starting value takes the 12 x sum(q) back out;
 //   16 fp32         the block scale / 2 of each lane (lanes 0-3 and 8-11: b0; 4-7 and 12-15: b1).
 struct Int8Fp4Rows {
+  // Bytes of one prepared row of `cols` columns (a multiple of 32).
+  size_t (*row_bytes)(int64_t cols);
   // dst row i = bf16 row index[i] (i when index is null) of x, rows ldx elements apart, cols a multiple of 32.
   void (*prepare)(const uint16_t* x, int64_t ldx, const int64_t* index, int64_t m, int64_t cols, void* dst);
   // out[i][j - n0] = row j of the FP4 weight w against prepared row i, for j in [n0, n1); fp32, unrounded.
   void (*rows)(const void* xp, int64_t m, const WeightView& w, int64_t n0, int64_t n1, const MatOut& out);
 };
-constexpr int64_t kInt8ChunkBytes = 192;  // per 64 columns
-inline size_t Int8RowBytes(int64_t cols) { return static_cast<size_t>((cols + 63) / 64 * kInt8ChunkBytes); }
+constexpr int64_t kInt8ChunkBytes = 192;  // per 64 columns, portable layout
+size_t Int8RowBytes(int64_t cols);        // a prepared row in the portable layout (moe_int8.cc, baseline)
 
 // Drivers: the LinearKernels / MoeExpertsKernels slot semantics (linear.h, moe_experts.h) on a level's blocks.
 // f32_out (bf16 activations only): fp32 outputs, unrounded (the bf16 compute mode).

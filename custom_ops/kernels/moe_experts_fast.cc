@@ -78,7 +78,7 @@ void Prepare(const LinearBlocks& b, ActType act, const WeightView& w, const void
     if (r1 <= r0) return;
     const uint16_t* src = static_cast<const uint16_t*>(x) + (index != nullptr ? 0 : r0 * ldx);
     int8->prepare(src, ldx, index != nullptr ? index + r0 : nullptr, r1 - r0, w.cols,
-                  dst + static_cast<size_t>(r0) * Int8RowBytes(w.cols));
+                  dst + static_cast<size_t>(r0) * int8->row_bytes(w.cols));
     return;
   }
   if (tiles) {
@@ -159,7 +159,7 @@ void RunMoeExperts(const LinearBlocks& b, ActType act, const void* x, int64_t to
                        b.tiles_supported(act, w.w3);
   const bool tiles2 = int8 == nullptr && b.tiles != nullptr && b.tiles_supported(act, w.w2);
   const auto operand_bytes = [&](const WeightView& wv, int64_t count, bool tiles) {
-    return int8 != nullptr ? RoundUp64(static_cast<size_t>(count) * Int8RowBytes(wv.cols))
+    return int8 != nullptr ? RoundUp64(static_cast<size_t>(count) * int8->row_bytes(wv.cols))
                            : OperandBytes(b, act, wv, count, tiles);
   };
   const auto block_scratch = [&](const WeightView& wv, int64_t count, bool tiles) {

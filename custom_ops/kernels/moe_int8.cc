@@ -9,6 +9,9 @@
 #include "custom_ops/numerics/int8_blocks.h"
 
 namespace dsv4 {
+
+size_t Int8RowBytes(int64_t cols) { return static_cast<size_t>((cols + 63) / 64 * kInt8ChunkBytes); }
+
 namespace portable {
 namespace {
 
@@ -65,7 +68,7 @@ void Rows(const void* xp, int64_t m, const WeightView& w, int64_t n0, int64_t n1
 
 }  // namespace
 
-extern const Int8Fp4Rows kInt8Fp4Rows = {Prepare, Rows};
+extern const Int8Fp4Rows kInt8Fp4Rows = {Int8RowBytes, Prepare, Rows};
 
 }  // namespace portable
 }  // namespace dsv4

@@ -87,7 +87,7 @@ void Rows(const void* xp, int64_t m, const WeightView& w, int64_t n0, int64_t n1
 
 }  // namespace
 
-extern const Int8Fp4Rows kInt8Fp4Rows = {Prepare, Rows};
+extern const Int8Fp4Rows kInt8Fp4Rows = {Int8RowBytes, Prepare, Rows};
 
 }  // namespace avx2
 }  // namespace dsv4
