@@ -115,23 +115,32 @@ def test_bad_options_and_shapes(tmp_path):
 
 # ---- --compute bf16: the linears' and experts' products in bf16 (op attribute compute="bf16") ----
 
-def test_compute_bf16_export(cache, tmp_path):
-    ck = cache.checkpoint("tiny")
-    path = export_model(ck, tmp_path / "bf16", logits="all", max_seq_len=256, progress=False, compute="bf16")
-    g = onnx.load(str(path), load_external_data=False).graph
-    linears = [n for n in g.node if n.op_type.startswith(("Linear", "MoeExperts"))]
-    assert linears and all(onnx.helper.get_attribute_value(a) == b"bf16" for n in linears for a in n.attribute
-                           if a.name == "compute")
-    assert all(any(a.name == "compute" for a in n.attribute) for n in linears)
+def compute_export(cache, tmp_path, compute: str):
+    """The tiny preset exported with ``--compute``: the set of ``compute`` attributes per linear / expert op type
+    (None where a node has none), the session's recorded mode, its logits on 24 random ids, and their relative error
+    against the reference's per position."""
+    path = export_model(cache.checkpoint("tiny"), tmp_path / compute, logits="all", max_seq_len=256, progress=False,
+                        compute=compute)
+    modes = {}
+    for n in onnx.load(str(path), load_external_data=False).graph.node:
+        if n.op_type.startswith(("Linear", "MoeExperts")):
+            mode = next((onnx.helper.get_attribute_value(a) for a in n.attribute if a.name == "compute"), None)
+            modes.setdefault(n.op_type, set()).add(mode)
     sess = Session(path.parent, intra_op_threads=1)
-    assert sess.meta["compute"] == "bf16"
     ids = random_ids(config("tiny").vocab_size, (1, 24), seed=12)
     ref = reference_logits(cache.reference(("tiny",)), ids)
     got = sess.forward(ids, sess.new_state(1))
+    errs = np.array([rel_err(got[:, t], ref[:, t]) for t in range(ids.shape[1])])
+    return modes, sess.meta["compute"], got, errs
+
+
+def test_compute_bf16_export(cache, tmp_path):
+    modes, meta, _, errs = compute_export(cache, tmp_path, "bf16")
+    assert modes and all(m == {b"bf16"} for m in modes.values()), modes
+    assert meta == "bf16"
     # bf16 products: a bf16-sized change at each position, not an exact result and not a broken one. The experts'
     # bf16 rounding can also tip a near-tied expert choice in a later layer, which moves that position as a whole
     # (random weights have such ties), so a few positions may differ by more.
-    errs = np.array([rel_err(got[:, t], ref[:, t]) for t in range(ids.shape[1])])
     assert 1e-6 < np.median(errs) < 2e-2, errs
     assert (errs < 2e-2).mean() >= 0.8, errs
     with pytest.raises(ExportError, match="compute"):
@@ -139,26 +148,14 @@ def test_compute_bf16_export(cache, tmp_path):
 
 
 def test_compute_int8_export(cache, tmp_path):
-    """--compute int8: MoeExpertsFp4 nodes carry compute="int8", every other linear / expert node "bf16"; the logits
-    stay near the reference's and differ from the --compute bf16 export's."""
-    ck = cache.checkpoint("tiny")
-    path = export_model(ck, tmp_path / "int8", logits="all", max_seq_len=256, progress=False, compute="int8")
-    g = onnx.load(str(path), load_external_data=False).graph
-    nodes = [n for n in g.node if n.op_type.startswith(("Linear", "MoeExperts"))]
-    modes = {n.op_type: {onnx.helper.get_attribute_value(a) for a in n.attribute if a.name == "compute"}
-             for n in nodes}
+    """--compute int8: every MoeExpertsFp4 node carries compute="int8", every other linear / expert node "bf16";
+    the logits stay near the reference's and differ from the --compute bf16 export's."""
+    modes, meta, got, errs = compute_export(cache, tmp_path, "int8")
     assert modes.pop("MoeExpertsFp4") == {b"int8"}
     assert modes and all(m == {b"bf16"} for m in modes.values()), modes
-    sess = Session(path.parent, intra_op_threads=1)
-    assert sess.meta["compute"] == "int8"
-    ids = random_ids(config("tiny").vocab_size, (1, 24), seed=12)
-    ref = reference_logits(cache.reference(("tiny",)), ids)
-    got = sess.forward(ids, sess.new_state(1))
-    errs = np.array([rel_err(got[:, t], ref[:, t]) for t in range(ids.shape[1])])
+    assert meta == "int8"
     # about 2.5x the bf16 export's error (median 1.6e-2 against 6.4e-3 on these ids), with the same near-tied expert
     # choices moving a few positions as a whole
     assert 1e-6 < np.median(errs) < 3e-2, errs
     assert (errs < 5e-2).mean() >= 0.75, errs
-    bf16 = Session(export_model(ck, tmp_path / "bf16", logits="all", max_seq_len=256, progress=False,
-                                compute="bf16").parent, intra_op_threads=1)
-    assert not np.array_equal(got, bf16.forward(ids, bf16.new_state(1)))
+    assert not np.array_equal(got, compute_export(cache, tmp_path, "bf16")[2])

@@ -317,13 +317,19 @@ class DecoderGraph:
     def _i64(self, name: str, values) -> str:
         return self.g.const(name, np.asarray(values, dtype=np.int64))
 
+    def _compute_attr(self, op: str) -> str | None:
+        """The op's ``compute`` attribute for this export's mode (None: the default, fp32). ``int8`` is a mode of
+        the FP4 routed experts only; every other linear / expert op takes bf16 products then."""
+        if self.compute == "int8":
+            return "int8" if op == "MoeExpertsFp4" else "bf16"
+        return None if self.compute == "fp32" else self.compute
+
     def linear(self, x: str, weight: str, out: str, *, groups: int = 1) -> str:
         """``x @ W.T`` (W dense, FP8 or FP4) -> float32 ``[..., out_features]``."""
         w = self._w(weight)
         outputs = {"y": out}
         grp = groups if groups != 1 else None
-        # the attribute's default is fp32; int8 is an FP4-expert mode, the linears take bf16 products
-        compute = {"fp32": None, "int8": "bf16"}.get(self.compute, self.compute)
+        compute = self._compute_attr("Linear")
         if w.fmt == "fp8":
             if w.block[0] != w.block[1]:
                 raise GraphBuildError(f"{weight}: FP8 blocks {w.block} are not square; export with --weights bf16")
@@ -359,9 +365,8 @@ class DecoderGraph:
                 raise GraphBuildError(f"{prefix}: FP8 blocks {sorted(blocks)} must be square and equal")
             if "block_size" in {a.name for a in _spec(op).attributes}:
                 attrs["block_size"] = int(ws[0].block[0])
-        if self.compute != "fp32":  # the attribute's default is fp32
-            attrs["compute"] = "int8" if self.compute == "int8" and op == "MoeExpertsFp4" else (
-                "bf16" if self.compute == "int8" else self.compute)
+        if self._compute_attr(op) is not None:
+            attrs["compute"] = self._compute_attr(op)
         return self.g.custom(op, ins, {"y": out}, out, **attrs)[0]
 
     # ------------------------------------------------------------------------------------------- graph
