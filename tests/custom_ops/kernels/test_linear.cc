@@ -549,6 +549,99 @@ void TestBatchInvariant(const Variant& v, ActType act, Fmt fmt) {
   }
 }
 
+// bf16 products against FP8 rows with E8M0 scales: a weight whose every scale byte lies in [10, 246] decodes with
+// the scale in the exponent and sums without block sums (ScaledBf16, linear_fused_avx512.cc); one byte outside sends
+// the whole weight back to the folded loops. Either way each row matches the reference and sums as it does alone
+// under batch invariance; the scaled weight's rows also equal their one-row results without it, at every row count
+// below the panels on the AVX512 rows paths (they then all sum bf16(code * scale) * x in column order).
+void TestFp8ScaledRoutes(const Variant& v) {
+  dsv4_test::RequireIsa(v.needs);
+  Rng rng(2718);
+  const dsv4_test::ThreadParallel threads(2);
+  constexpr int64_t kRows = 23;
+  for (int extreme : {0, 9, 247, 10, 246}) {  // 0: the usual bytes only; else one scale byte set to it
+    for (int64_t block : {32, 128}) {
+      Problem all = MakeProblem(rng, ActType::kBf16, Fmt::kFp8E8m0, kRows, 70, 300, 1, block);
+      if (extreme != 0) {
+        // one block's scale byte; above 2^100 its codes are kept subnormal (at most 7 x 2^-9) so sums stay finite
+        const int64_t at = static_cast<int64_t>(all.w.scale.size() / 2), scale_cols = (300 + block - 1) / block;
+        all.w.scale[at] = static_cast<uint8_t>(extreme);
+        for (int64_t r = (at / scale_cols) * block; r < std::min<int64_t>(70, (at / scale_cols + 1) * block); ++r) {
+          for (int64_t c = (at % scale_cols) * block; c < std::min<int64_t>(300, (at % scale_cols + 1) * block); ++c) {
+            if (extreme > 227) all.w.data[r * 300 + c] &= 0x87;
+          }
+        }
+      }
+      all.w.view.scale = all.w.scale.data();
+      const bool scaled = extreme == 0 || (extreme >= 10 && extreme <= 246);
+      const int64_t n = all.w.view.rows, k = all.w.view.cols;
+      for (int64_t invariant : {int64_t{0}, kRows}) {
+        all.w.view.invariant_rows = invariant;
+        std::vector<std::vector<float>> alone(kRows);
+        for (int64_t i = 0; i < kRows; ++i) {
+          Problem one = all;
+          one.m = 1;
+          one.w.view.data = one.w.data.data();
+          one.w.view.scale = one.w.scale.data();
+          one.x16.assign(all.x16.begin() + i * k, all.x16.begin() + (i + 1) * k);
+          alone[i] = Run(v.run, one, threads.Get());
+        }
+        for (int64_t m : {2, 4, 5, 8, 9, 12, 16, 17, 23}) {
+          Problem p = all;
+          p.m = m;
+          p.w.view.data = p.w.data.data();
+          p.w.view.scale = p.w.scale.data();
+          p.x16.resize(m * k);
+          const std::vector<float> got = Run(v.run, p, threads.Get());
+          ExpectMatches(v.name + " scale byte " + std::to_string(extreme) + " " + Describe(p, Fmt::kFp8E8m0), p, got,
+                        Reference(p), 1.0);
+          // without invariance: only the AVX512 rows paths promise one-row sums for scaled weights (the folded
+          // loops and the AVX2 level sum otherwise above their decode-path row counts)
+          if (invariant == 0 && (!scaled || v.needs < IsaLevel::kAvx512)) continue;
+          int64_t differ = 0;
+          for (int64_t i = 0; i < m; ++i)
+            differ += std::memcmp(got.data() + i * n, alone[i].data(), n * sizeof(float)) != 0;
+          KT_CHECK(differ == 0) << v.name << " scale byte " << extreme << " block " << block << " M=" << m
+                                << " invariant_rows=" << invariant << ": " << differ
+                                << " rows differ from the row computed alone";
+        }
+      }
+    }
+  }
+}
+
+// The scaled decoding's upper bound: scale byte 250 puts code 0x68 (2^6) past bf16's exponent field, where adding
+// to the exponent would carry into the sign; a weight holding that byte takes the folded loops and gives the
+// reference's +inf (bf16 activations, one-hot x). Codes 0x60 (2^5: exactly the field's 255, infinity) and 0x58 under
+// the same byte stay exact. (Below kScaledMinE the guard keeps the folded loops' sums of subnormal products, which
+// the scratch path flushes as VDPBF16PS does: linear_avx512.cc.)
+void TestFp8ScaledGuard(const Variant& v) {
+  dsv4_test::RequireIsa(v.needs);
+  for (const auto& [byte, code] : std::vector<std::pair<uint8_t, uint8_t>>{{250, 0x68}, {250, 0x60}, {250, 0x58}}) {
+    for (int64_t m : {1, 16}) {
+      for (int64_t invariant : {int64_t{0}, int64_t{16}}) {
+        Rng rng(3);
+        Problem p = MakeProblem(rng, ActType::kBf16, Fmt::kFp8E8m0, m, 8, 64, 1, 32);
+        std::fill(p.w.data.begin(), p.w.data.end(), 0);
+        p.w.data[0] = code;  // row 0, column 0: the first scale block
+        p.w.scale = {byte, 127};
+        p.w.view.scale = p.w.scale.data();
+        p.w.view.invariant_rows = invariant;
+        p.x32.assign(m * 64, 0.0f);
+        for (int64_t i = 0; i < m; ++i) p.x32[i * 64] = 1.0f;
+        p.x16 = dsv4_test::ToBf16(p.x32);
+        const std::vector<float> want = Reference(p), got = Run(v.run, p, dsv4::SerialParallel());
+        for (int64_t i = 0; i < m; ++i) {
+          const float g = got[i * 8], w = want[i * 8];
+          KT_CHECK(g == w && w != 0.0f) << v.name << " scale byte " << int{byte} << " code 0x" << std::hex << int{code}
+                                        << std::dec << " M=" << m << " invariant_rows=" << invariant << " row " << i
+                                        << ": got " << g << ", want " << w;
+        }
+      }
+    }
+  }
+}
+
 // f() with MXCSR.DAZ set when daz (x86; elsewhere as is), the previous MXCSR restored after.
 template <class F>
 auto RunWithDaz(bool daz, F f) {
@@ -589,7 +682,7 @@ void TestFp8CodesExact(const Variant& v) {
   }
   w.scale = {127, 120};  // 1 and 2^-7, per 128-column block
   for (ActType act : {ActType::kF32, ActType::kBf16}) {
-    for (int64_t m : {1, 2, 3, 4, 5, 6, 8}) {
+    for (int64_t m : {1, 2, 3, 4, 5, 6, 8, 12, 16}) {
       for (int mode = 0; mode < 3; ++mode) {  // the plan's two row orders (DotFp8Rows), 5-8 fp32 rows' two paths
         const bool prefetch = mode == 0, daz = mode == 2;
         Problem p{act, m, 1, w, {}, {}};
@@ -669,6 +762,8 @@ const bool kRegistered = [] {
     kt::Register("linear_" + v.name + "_nan_codes_and_empty", [v] { TestNanAndEmpty(v); });
     kt::Register("linear_" + v.name + "_scale_extremes", [v] { TestScaleExtremes(v); });
     kt::Register("linear_" + v.name + "_fp8_codes_exact", [v] { TestFp8CodesExact(v); });
+    kt::Register("linear_" + v.name + "_fp8_scaled_routes", [v] { TestFp8ScaledRoutes(v); });
+    kt::Register("linear_" + v.name + "_fp8_scaled_guard", [v] { TestFp8ScaledGuard(v); });
   }
 #if DSV4_X86_VARIANTS && DSV4_HAVE_AMX_EMULATION
   kt::Register("linear_amx_matches_emulation", TestAmxMatchesEmulation);
