@@ -209,7 +209,7 @@ def test_bench_out_is_checked_before_running(capsys, tmp_path, monkeypatch):
     code, _, err = cli(capsys, "bench", "--smoke", "--quiet", "--model-dir", str(tmp_path / "none"),
                        "--out", str(tmp_path / "fresh"))
     assert code == 2 and "--model-dir" in one_line(err)
-    for bad in (["--serving-tokens", "8"], ["--serving-tokens", "8,16,32"],
+    for bad in (["--serving-tokens", "8"], ["--serving-tokens", "8,16,32"], ["--serving-rounds", "0"],
                 ["--serving-compute", "bf16", "--model-dir", str(tmp_path)]):
         code, _, err = cli(capsys, "bench", "--serving", "--quiet", *bad, "--out", str(tmp_path / "fresh"))
         assert code == 2 and bad[0] in one_line(err)
@@ -230,8 +230,10 @@ def test_bench_serving_options_reach_the_run(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(serving, "run", fake)
     code, out, _ = cli(capsys, "bench", "--serving", "--quiet", "--serving-tokens", "8,128", "--serving-compute",
                        "bf16", "--out", str(tmp_path / "o"))
-    assert code == 0 and seen["preset"] == "bench" and seen["compute"] == "bf16"
+    assert code == 0 and seen["preset"] == "bench" and seen["compute"] == "bf16" and seen["rounds"] == 2
     assert (seen["prompt_tokens"], seen["max_tokens"]) == (8, 128)
+    code, _, _ = cli(capsys, "bench", "--serving", "--quiet", "--serving-rounds", "3", "--out", str(tmp_path / "p"))
+    assert code == 0 and seen["rounds"] == 3
     assert "--compute bf16 export" in out and "prompt 8 tokens, 128 output tokens" in out
 
 

@@ -135,6 +135,9 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "serving.md into --out")
     p.add_argument("--serving-tokens", type=_ints, default=None, metavar="P,O",
                    help="--serving: prompt tokens and output tokens per client (default 48,32; 48,8 with --smoke)")
+    p.add_argument("--serving-rounds", type=int, default=None, metavar="R",
+                   help="--serving: rounds of every client count, the order reversed every other round, pooled "
+                        "(default 2; 1 with --smoke)")
     p.add_argument("--serving-compute", choices=("fp32", "bf16", "int8"), default="fp32",
                    help="--serving: the preset's export products (--compute of dsv4-ort export; default fp32; "
                         "not with --model-dir)")
@@ -176,7 +179,8 @@ def _run_mode(name: str, module, args, log) -> tuple:
     if name == "serving":
         prompt, output = args.serving_tokens or ((48, 8) if args.smoke else (48, 32))
         return module.run("tiny" if args.smoke else "bench", threads=args.threads, model_dir=args.model_dir,
-                          prompt_tokens=prompt, max_tokens=output, compute=args.serving_compute, log=log), \
+                          prompt_tokens=prompt, max_tokens=output, compute=args.serving_compute,
+                          rounds=args.serving_rounds or (1 if args.smoke else 2), log=log), \
             module.markdown
     return module.suite(smoke=args.smoke, threads=args.threads, log=log), module.suite_markdown
 
@@ -188,6 +192,8 @@ def cmd_bench(args) -> int:
         raise FileNotFoundError(f"--model-dir {args.model_dir!r} does not exist")
     if args.serving_tokens is not None and len(args.serving_tokens) != 2:
         raise ValueError(f"--serving-tokens takes two counts (prompt,output), got {args.serving_tokens}")
+    if args.serving_rounds is not None and args.serving_rounds < 1:
+        raise ValueError(f"--serving-rounds takes a count of at least 1, got {args.serving_rounds}")
     if args.serving_compute != "fp32" and args.model_dir is not None:
         raise ValueError("--serving-compute chooses the preset's export; a --model-dir export has its own")
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))

@@ -8,7 +8,13 @@ Per N we report output tokens/s over all clients (output tokens / wall time from
 last stream closed), TTFT and ITL p50 / p99. Server start-up is not timed. Only the standard library is used on
 the client side, so the bench needs nothing beyond the ``serve`` extra.
 
+The client counts run in rounds, in order and then in reverse (1, 4, 16, 16, 4, 1 for two rounds), so that a
+shared machine's drift over the minutes of a run (its memory bandwidth moves by a third) weighs on every count
+alike: the figures per N pool every round (tokens / wall summed, percentiles over all samples), and the ratios of
+each round are listed beside the pooled ones, as their spread.
+
 usage: dsv4-ort bench --serving [--smoke] [--out DIR] [--threads N] [--serving-tokens P,O] [--serving-compute bf16]
+                      [--serving-rounds R]
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from pathlib import Path
 from .timing import warm_page_cache
 
 CLIENTS = (1, 4, 16)
+ROUNDS = 2
 
 
 def percentile(values, q: float) -> float:
@@ -129,15 +136,35 @@ def measure(host: str, port: int, clients: int, *, prompt: list, max_tokens: int
     ttft = [r["chunks"][0] - r["sent"] for r in results]
     itl = [b - a for r in results for a, b in zip(r["chunks"], r["chunks"][1:])]
     out_tokens = sum(r["output_tokens"] for r in results)
+    return summarize(clients, out_tokens, wall, ttft, itl)
+
+
+def summarize(clients: int, out_tokens: int, wall: float, ttft: list, itl: list) -> dict:
+    """The figures of one round, or of several pooled (tokens and wall summed, samples joined); the samples (s)
+    are kept under ``samples`` for pooling and dropped from the written result."""
     return {"clients": clients, "output_tokens": out_tokens, "wall_s": wall, "output_tok_s": out_tokens / wall,
             "ttft_ms": {"p50": 1e3 * percentile(ttft, 50), "p99": 1e3 * percentile(ttft, 99)},
-            "itl_ms": {"p50": 1e3 * percentile(itl, 50), "p99": 1e3 * percentile(itl, 99)}}
+            "itl_ms": {"p50": 1e3 * percentile(itl, 50), "p99": 1e3 * percentile(itl, 99)},
+            "samples": {"ttft": ttft, "itl": itl}}
+
+
+def pooled(rounds: list) -> dict:
+    """One client count's rounds as one row."""
+    return summarize(rounds[0]["clients"], sum(r["output_tokens"] for r in rounds), sum(r["wall_s"] for r in rounds),
+                     [t for r in rounds for t in r["samples"]["ttft"]], [t for r in rounds for t in r["samples"]["itl"]])
+
+
+def _ratios(one: dict, most: dict) -> tuple:
+    return most["output_tok_s"] / one["output_tok_s"], most["itl_ms"]["p99"] / one["itl_ms"]["p99"]
 
 
 def run(preset: str = "bench", *, clients=CLIENTS, prompt_tokens: int = 48, max_tokens: int = 32,
-        threads: int | None = None, model_dir=None, compute: str = "fp32", log=None, timeout: float = 600) -> dict:
+        threads: int | None = None, model_dir=None, compute: str = "fp32", rounds: int = ROUNDS, log=None,
+        timeout: float = 600) -> dict:
     """The serving rounds on ``preset`` (exported once into the bench cache, with ``compute`` products) or on
-    ``model_dir``."""
+    ``model_dir``: every client count once per round, the order reversed every other round."""
+    if rounds < 1:
+        raise ValueError(f"serving rounds must be at least 1, got {rounds}")
     from dsv4_ort.runtime.session import physical_cores
 
     from .formats import export_option
@@ -153,19 +180,28 @@ def run(preset: str = "bench", *, clients=CLIENTS, prompt_tokens: int = 48, max_
     prompt = [2 + (7919 * i) % (vocab - 2) for i in range(prompt_tokens)]
     warm_page_cache(model_dir)
     server = Server(model_dir, threads=threads, max_batch=max(clients))
-    rows = []
+    per_count: dict = {n: [] for n in clients}
     try:
         measure(server.host, server.port, 1, prompt=prompt, max_tokens=2, timeout=timeout)  # warm-up
-        for n in clients:
-            log(f"  serving: {n} concurrent streaming client(s), {max_tokens} tokens each")
-            rows.append(measure(server.host, server.port, n, prompt=prompt, max_tokens=max_tokens,
-                                timeout=timeout))
+        for k in range(rounds):
+            for n in (clients if k % 2 == 0 else tuple(reversed(clients))):
+                log(f"  serving, round {k + 1} of {rounds}: {n} concurrent streaming client(s), {max_tokens} "
+                    "tokens each")
+                per_count[n].append(measure(server.host, server.port, n, prompt=prompt, max_tokens=max_tokens,
+                                            timeout=timeout))
     finally:
         rc = server.stop()
+    rows = [pooled(per_count[n]) for n in clients]
+    round_rows = [[per_count[n][k] for n in clients] for k in range(rounds)]
+    round_ratios = [list(_ratios(rr[0], rr[-1])) for rr in round_rows] if len(clients) > 1 and clients[0] == 1 \
+        else []
+    for r in rows + [r for rr in round_rows for r in rr]:
+        r.pop("samples", None)
     return {"preset": preset if exported else Path(model_dir).name, "model_dir": str(model_dir),
             "compute": compute if exported else None,
             "threads": threads, "max_batch": max(clients), "prompt_tokens": prompt_tokens,
-            "max_tokens": max_tokens, "server_exit": rc, "rows": rows,
+            "max_tokens": max_tokens, "server_exit": rc, "rounds": rounds, "rows": rows,
+            "round_rows": round_rows, "round_ratios": round_ratios,
             "machine": {"cpu": _cpuinfo()["model"], "threads": threads}}
 
 
@@ -174,7 +210,8 @@ def markdown(result: dict) -> str:
     lines = [f"Serving ({result['preset']} preset{compute} behind dsv4-ort serve, loopback; "
              f"CPU: {result['machine']['cpu']}, "
              f"{result['threads']} threads, --max-batch {result['max_batch']}; prompt {result['prompt_tokens']} "
-             f"tokens, {result['max_tokens']} output tokens per client)", "",
+             f"tokens, {result['max_tokens']} output tokens per client; {result.get('rounds', 1)} round(s), "
+             "alternating order, pooled)", "",
              "| clients | output tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |", "|---|---|---|---|"]
     for r in result["rows"]:
         lines.append(f"| {r['clients']} | {r['output_tok_s']:.1f} | {r['ttft_ms']['p50']:.0f} / "
@@ -182,9 +219,10 @@ def markdown(result: dict) -> str:
     rows = result["rows"]
     if len(rows) > 1 and rows[0]["clients"] == 1:  # how batching pays: throughput and ITL p99 ratios
         one, most = rows[0], rows[-1]
-        lines += ["", f"{most['clients']} clients against 1: output tokens/s "
-                      f"{most['output_tok_s'] / one['output_tok_s']:.2f}x, ITL p99 "
-                      f"{most['itl_ms']['p99'] / one['itl_ms']['p99']:.2f}x"]
+        tput, itl = _ratios(one, most)
+        lines += ["", f"{most['clients']} clients against 1: output tokens/s {tput:.2f}x, ITL p99 {itl:.2f}x"]
+        if len(result.get("round_ratios", [])) > 1:
+            lines[-1] += " (per round: " + ", ".join(f"{a:.2f}x / {b:.2f}x" for a, b in result["round_ratios"]) + ")"
     return "\n".join(lines) + "\n"
 
 
