@@ -471,9 +471,13 @@ int DecodeFp8Bf16Rows(const WeightView& w, const int64_t* rows, int64_t kp, uint
     uint16_t* out = dec + q * kp;
     __m256i nan_seen = _mm256_setzero_si256();
     Fp8Bf16Block blk(127);  // scale 1: Fp8ToBf16
+    int64_t block_end = 0, b = 0;  // the current scale block ends at block_end
     for (int64_t k = 0; k < kp; k += 32) {
       if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(src + k) + kPrefetchFp8, _MM_HINT_T0);
-      if (scaled && k % w.block == 0 && k < kw) blk = Fp8Bf16Block(scale[k / w.block]);
+      if (scaled && k == block_end && k < kw) {
+        blk = Fp8Bf16Block(scale[b++]);
+        block_end += w.block;
+      }
       const int64_t valid = kw - k;
       const __m256i codes = valid >= 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k))
                                         : _mm256_maskz_loadu_epi8(Mask32(valid > 0 ? valid : 0), src + k);
