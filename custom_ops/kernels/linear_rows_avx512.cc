@@ -11,9 +11,10 @@
 //                      16 columns against activations as stored.
 // bf16 and fp32 weights are read in place (where the plan turns the per-row software prefetch off: one bf16 row at a
 // time against one small activation row, else side by side with a prefetch of the block two ahead). Other rows are
-// decoded into scratch first, four at a time when there are at most four activation rows (the decode path: each
-// weight byte read once, the scratch stays in L1/L2) and 64 at a time otherwise (decoded once, reused for every
-// group of four activation rows); the FP8 / FP4 decoding is described in linear_common_avx512.inc. FP8 / FP4
+// decoded into scratch first, four at a time up to sixteen activation rows (each weight byte read once, the
+// scratch stays in L1/L2) and 64 at a time otherwise (decoded once, reused for every group of four activation rows);
+// rows read in place go in blocks of 32 against 5-16 activation rows (RowBlock); the FP8 / FP4 decoding is
+// described in linear_common_avx512.inc. FP8 / FP4
 // weights against at most four activation rows take the in-register decode path instead (linear_fused_avx512.cc).
 // fp32 activations meet FP4 rows as bf16 (exact) and FP8 rows as fp32 (an FP8 value times a small scale can be a
 // denormal that bf16 cannot hold).
@@ -48,8 +49,20 @@ bool Bf16Rows(RowKind kind) { return kind == RowKind::kBf16Direct || kind == Row
 // fp32 activations against bf16 rows use the [even, odd] chunk layout.
 bool EvenOddLayout(ActType act, RowKind kind) { return act == ActType::kF32 && Bf16Rows(kind); }
 
-// Weight rows decoded per block: 4 for the decode path, 64 when several groups of activation rows reuse them.
-int64_t RowBlock(int64_t m) { return m <= 16 ? 4 : 64; }
+// Weight rows per block: decoded rows 4 for the decode path, 64 when several groups of activation rows reuse them.
+// Rows read in place go 32 at a time against 5-16 activation rows: each group of four activation rows then meets
+// eight groups of four weight rows while its activations sit in L1 (with blocks of four, every 4 x 4 product read
+// the group's activations from L2 again), and the block-ahead prefetch (Ahead) requests 32 rows at once. AMD EPYC
+// family 0x19 model 0x11, two threads, bench-preset head 129280 x 2048 bf16 from DRAM, both block sizes alternated
+// in one session, 4 -> 32 rows: bf16 activations M = 5 / 8 / 12 / 16 17.5 / 18.3 / 23.6 / 30.6 ms -> 14.5 / 14.2 /
+// 21.2 / 26.4 (16 rows in blocks of 16: 27.4, of 64: 26.8); fp32 activations M = 8 / 16 23.6 / 46.1 -> 22.6 / 45.6
+// (those are FMA-bound); 1024 x 4096, 4096 x 4096 and 256 x 2048 unchanged. In the 16-row batch-invariant bf16
+// decode step (profiled, two builds alternated) the Linear nodes went 30.3-31.5 -> 28.8-29.5 ms. Not measured on
+// Intel.
+int64_t RowBlock(RowKind kind, int64_t m) {
+  const bool direct = kind == RowKind::kBf16Direct || kind == RowKind::kF32Direct;
+  return m > 16 ? 64 : direct && m > 4 ? 32 : 4;
+}
 
 }  // namespace
 
@@ -357,7 +370,7 @@ size_t RowsScratch(ActType act, const WeightView& w, int64_t m) {
   if (FusedDecode(act, w, m)) return FusedScratch(act, w, m);
   if (kind == RowKind::kBf16Direct || kind == RowKind::kF32Direct) return 0;
   const size_t elem = kind == RowKind::kF32Decoded ? sizeof(float) : sizeof(uint16_t);
-  return static_cast<size_t>(RowBlock(m) * Pad32(w.cols)) * elem;
+  return static_cast<size_t>(RowBlock(kind, m) * Pad32(w.cols)) * elem;
 }
 
 void Rows(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n0, int64_t n1, const MatOut& out,
@@ -367,7 +380,7 @@ void Rows(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n
     return;
   }
   const RowKind kind = KindOf(act, w);
-  const int64_t kw = w.cols, kp = Pad32(kw), block = RowBlock(m);
+  const int64_t kw = w.cols, kp = Pad32(kw), block = RowBlock(kind, m);
   // One weight row at a time (single) or, for every other call reading weights in place with the per-row prefetch
   // off, side by side with the block-ahead prefetch (Ahead).
   const bool direct = kind == RowKind::kBf16Direct || kind == RowKind::kF32Direct;
