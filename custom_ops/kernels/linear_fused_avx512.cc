@@ -161,8 +161,8 @@ constexpr int kScaledMinE = 10, kScaledMaxE = 246;
 struct Fp8Bf16Block {
   __m512i bias, subnormals;
   explicit Fp8Bf16Block(int e) {
-    const __m512i shift = _mm512_set1_epi16(static_cast<short>((e - 127) << 7));
-    bias = _mm512_set1_epi16(static_cast<short>((e - 7) << 7));  // (120 + e - 127) << 7
+    const __m512i shift = _mm512_set1_epi16(static_cast<short>((e - 127) * 128));  // e - 127 at the exponent field
+    bias = _mm512_set1_epi16(static_cast<short>((e - 7) * 128));  // (120 + e - 127) at the exponent field
     const __m512i base = _mm512_loadu_si512(kFp8Bf16Subnormals.bits);
     subnormals = _mm512_mask_add_epi16(base, 0xFE, base, shift);
   }
