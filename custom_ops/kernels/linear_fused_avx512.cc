@@ -357,7 +357,7 @@ bool FoldsAllRows(ActType act, const WeightView& w) {
 // 123.7 -> 114.5 ms (per-round ratio 0.90-0.95); one row unchanged (27.9 / 28.3 ms, noise). The whole weight
 // decides (its scales are read by every call: a few KiB), so a row sums the same way in every call and task split.
 bool ScaledBf16(ActType act, const WeightView& w) {
-  if (!FoldsAllRows(act, w)) return false;
+  if (!FoldsAllRows(act, w) || w.block <= 0) return false;
   const int64_t n = ((w.rows + w.block - 1) / w.block) * ((w.cols + w.block - 1) / w.block);
   const uint8_t* scale = static_cast<const uint8_t*>(w.scale);
   __m512i lo = _mm512_set1_epi8(static_cast<char>(0xFF)), hi = _mm512_setzero_si512();
