@@ -700,11 +700,20 @@ void RowsFused(ActType act, const void* xp, int64_t m, const WeightView& w, int6
         const int mr = static_cast<int>(m - i0 < 4 ? m - i0 : 4);
         const uint16_t* x = static_cast<const uint16_t*>(xp) + i0 * kp;
         float res[4][4];
-        switch (mr) {
-          case 1: scaled ? DotDecodedScaled<1>(dec_rows, kp, x, kp, res) : DotDecodedGroup<1>(dec_rows, scale, w, x, kp, res); break;
-          case 2: scaled ? DotDecodedScaled<2>(dec_rows, kp, x, kp, res) : DotDecodedGroup<2>(dec_rows, scale, w, x, kp, res); break;
-          case 3: scaled ? DotDecodedScaled<3>(dec_rows, kp, x, kp, res) : DotDecodedGroup<3>(dec_rows, scale, w, x, kp, res); break;
-          default: scaled ? DotDecodedScaled<4>(dec_rows, kp, x, kp, res) : DotDecodedGroup<4>(dec_rows, scale, w, x, kp, res); break;
+        if (scaled) {
+          switch (mr) {
+            case 1: DotDecodedScaled<1>(dec_rows, kp, x, kp, res); break;
+            case 2: DotDecodedScaled<2>(dec_rows, kp, x, kp, res); break;
+            case 3: DotDecodedScaled<3>(dec_rows, kp, x, kp, res); break;
+            default: DotDecodedScaled<4>(dec_rows, kp, x, kp, res); break;
+          }
+        } else {
+          switch (mr) {
+            case 1: DotDecodedGroup<1>(dec_rows, scale, w, x, kp, res); break;
+            case 2: DotDecodedGroup<2>(dec_rows, scale, w, x, kp, res); break;
+            case 3: DotDecodedGroup<3>(dec_rows, scale, w, x, kp, res); break;
+            default: DotDecodedGroup<4>(dec_rows, scale, w, x, kp, res); break;
+          }
         }
         for (int q = 0; q < 4; ++q)
           if (nan_rows & (1 << q))

@@ -150,8 +150,10 @@ def summarize(clients: int, out_tokens: int, wall: float, ttft: list, itl: list)
 
 def pooled(rounds: list) -> dict:
     """One client count's rounds as one row."""
+    ttft = [t for r in rounds for t in r["samples"]["ttft"]]
+    itl = [t for r in rounds for t in r["samples"]["itl"]]
     return summarize(rounds[0]["clients"], sum(r["output_tokens"] for r in rounds), sum(r["wall_s"] for r in rounds),
-                     [t for r in rounds for t in r["samples"]["ttft"]], [t for r in rounds for t in r["samples"]["itl"]])
+                     ttft, itl)
 
 
 def _ratios(one: dict, most: dict) -> tuple:
