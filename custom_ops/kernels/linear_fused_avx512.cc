@@ -346,7 +346,7 @@ bool FoldsAllRows(ActType act, const WeightView& w) {
   return act == ActType::kBf16 && w.format == WeightFormat::kFp8E4M3 && w.scale_format == ScaleFormat::kE8M0;
 }
 
-// FoldsAllRows weights whose every scale byte lies in [kScaledMinE, kScaledMaxE] (all real checkpoints' do) decode
+// FoldsAllRows weights whose every scale byte lies in [kScaledMinE, kScaledMaxE] (scales 2^-117 .. 2^119) decode
 // with the scale in the exponent (Fp8Bf16Block) and sum without block sums: each product is bf16(code * scale) * x,
 // as on the scratch path (DecodeRowsBf16 + DotBf16), which then gives the same bits. The fold's block sums cost
 // the 16-row loop an add and a scale per accumulator and block beside four VDPBF16PS (the FMA pipes' other work), and
