@@ -55,6 +55,12 @@ struct WeightView {
   // the NaN fix-up. Set only after scanning the whole weight (the ops do it once for constant weights); false
   // (the default) is always correct. A weight holding NaN codes must never carry true: its outputs would not be NaN.
   bool fp8_finite = false;
+  // kFp8E4M3 with E8M0 scales only: true promises that every scale byte lies in [kFp8ScaledMinE, kFp8ScaledMaxE]
+  // (Fp8ScalesScaledRange), so the AVX512 rows paths may put the scales into the decoded bf16 exponents
+  // (linear_fused_avx512.cc, ScaledBf16). Set only after scanning all of the weight's scales (the ops do it once for
+  // constant scales); false (the default) is always correct. A weight with a byte outside the range must never carry
+  // true: its large codes would carry into the sign bit.
+  bool fp8_scaled_range = false;
   // Batch invariance (0 = off): a call of at most this many activation rows (MoE: an expert's tokens) computes each
   // row by the operation sequence a one-row call uses, so row i's result does not depend on the other rows. The
   // levels then keep such calls off their panels / tiles (another summation order) and, for FP8, on the in-register
@@ -69,6 +75,12 @@ struct WeightView {
   // The FP8 / FP4 decode loops always prefetch (a gain on both). Results do not depend on it.
   bool prefetch = true;
 };
+
+// E8M0 scale bytes (scales 2^-117 .. 2^119) for which every nonzero FP8 E4M3 code times the scale is a normal bf16
+// with the scale added to its exponent field (WeightView::fp8_scaled_range).
+constexpr int kFp8ScaledMinE = 10, kFp8ScaledMaxE = 246;
+// True when each of the n E8M0 scale bytes lies in [kFp8ScaledMinE, kFp8ScaledMaxE] (one pass; for load time).
+bool Fp8ScalesScaledRange(const uint8_t* scale, size_t n);
 
 // Bytes of one [rows, cols] matrix's data and of its scales (0 for dense).
 size_t WeightDataBytes(const WeightView& w);

@@ -155,9 +155,8 @@ __m512i Fp8ToBf16(__m256i codes) {
 // Scaled decoding (ScaledBf16): the codes of a block with E8M0 scale byte e become the bf16 bits of
 // code * 2^(e - 127) by the same operations as Fp8ToBf16, with e - 127 added to the exponent: to the bias for normal
 // codes and to the table entries of the subnormal ones (entry 0, the zero code, stays 0). Exact for e in
-// [kScaledMinE, kScaledMaxE]: every nonzero code then lands on a normal bf16 (exponent field 1..254), the value the
-// reference's bf16 rounding of code * scale gives.
-constexpr int kScaledMinE = 10, kScaledMaxE = 246;
+// [kFp8ScaledMinE, kFp8ScaledMaxE] (linear.h): every nonzero code then lands on a normal bf16 (exponent field
+// 1..254), the value the reference's bf16 rounding of code * scale gives.
 struct Fp8Bf16Block {
   __m512i bias, subnormals;
   explicit Fp8Bf16Block(int e) {
@@ -346,8 +345,8 @@ bool FoldsAllRows(ActType act, const WeightView& w) {
   return act == ActType::kBf16 && w.format == WeightFormat::kFp8E4M3 && w.scale_format == ScaleFormat::kE8M0;
 }
 
-// FoldsAllRows weights whose every scale byte lies in [kScaledMinE, kScaledMaxE] (scales 2^-117 .. 2^119) decode
-// with the scale in the exponent (Fp8Bf16Block) and sum without block sums: each product is bf16(code * scale) * x,
+// FoldsAllRows weights known to have every scale byte in [kFp8ScaledMinE, kFp8ScaledMaxE] (scales 2^-117 .. 2^119;
+// WeightView::fp8_scaled_range, scanned once by the ops) decode with the scale in the exponent (Fp8Bf16Block) and sum without block sums: each product is bf16(code * scale) * x,
 // as on the scratch path (DecodeRowsBf16 + DotBf16), which then gives the same bits. The fold's block sums cost
 // the 16-row loop an add and a scale per accumulator and block beside four VDPBF16PS (the FMA pipes' other work), and
 // kept it to two weight rows per group (block sums and totals of four rows do not fit the registers); a 4 x 4 group
@@ -355,25 +354,9 @@ bool FoldsAllRows(ActType act, const WeightView& w) {
 // rows, bench-preset shapes 4096 x 512 / 1024 x 2048 (in L3): 0.60-0.88 / 0.60-0.76 ms -> 0.48 / 0.48 (the decode
 // is 0.11 of it); the bench preset's 16-row batch-invariant bf16 decode step, two builds interleaved in one process:
 // 123.7 -> 114.5 ms (per-round ratio 0.90-0.95); one row unchanged (27.9 / 28.3 ms, noise). The whole weight
-// decides (its scales are read by every call: a few KiB), so a row sums the same way in every call and task split.
+// decides, so a row sums the same way in every call and task split.
 bool ScaledBf16(ActType act, const WeightView& w) {
-  if (!FoldsAllRows(act, w) || w.block <= 0) return false;
-  const int64_t n = ((w.rows + w.block - 1) / w.block) * ((w.cols + w.block - 1) / w.block);
-  const uint8_t* scale = static_cast<const uint8_t*>(w.scale);
-  __m512i lo = _mm512_set1_epi8(static_cast<char>(0xFF)), hi = _mm512_setzero_si512();
-  int64_t i = 0;
-  for (; i + 64 <= n; i += 64) {
-    const __m512i v = _mm512_loadu_si512(scale + i);
-    lo = _mm512_min_epu8(lo, v);
-    hi = _mm512_max_epu8(hi, v);
-  }
-  if (i < n) {
-    const __mmask64 tail = (1ULL << (n - i)) - 1;  // n - i < 64
-    lo = _mm512_mask_min_epu8(lo, tail, lo, _mm512_maskz_loadu_epi8(tail, scale + i));
-    hi = _mm512_mask_max_epu8(hi, tail, hi, _mm512_maskz_loadu_epi8(tail, scale + i));
-  }
-  return _mm512_cmplt_epu8_mask(lo, _mm512_set1_epi8(kScaledMinE)) == 0 &&
-         _mm512_cmpgt_epu8_mask(hi, _mm512_set1_epi8(static_cast<char>(kScaledMaxE))) == 0;
+  return FoldsAllRows(act, w) && w.block > 0 && w.fp8_scaled_range;
 }
 
 // Largest MR x cols activation block (bf16 or fp32) that one-row-at-a-time reading (below) keeps to; past it the weight
@@ -521,23 +504,13 @@ void DotFp8Decoded(const uint16_t* const* dec, const uint8_t* const* scale, int6
     DSV4_UNROLL for (int q = 0; q < NQ; ++q) sums[i][q0 + q] = acc[i][q];
 }
 
-// MR activation rows against the four rows DecodeFp8Bf16Rows decoded with their scales: the products go straight
-// into the totals, in the order of DotFp8<.., kScaledBf16> (one VDPBF16PS per 32 columns, columns in order), so a
-// row sums as it does alone.
+// MR activation rows against the four rows DecodeFp8Bf16Rows decoded with their scales: the scratch path's loop
+// (DotBf16, no prefetch: the rows are in L1), whose products go straight into the totals in the order of
+// DotFp8<.., kScaledBf16> (one VDPBF16PS per 32 columns, columns in order), so a row sums as it does alone.
 template <int MR>
 void DotDecodedScaled(const uint16_t* const* dec, int64_t kp, const uint16_t* x, int64_t xs, float res[][4]) {
-  __m512 acc[MR][4];
-  DSV4_UNROLL for (int i = 0; i < MR; ++i)
-    DSV4_UNROLL for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < kp; k += 32) {
-    __m512bh a[4];
-    DSV4_UNROLL for (int q = 0; q < 4; ++q) a[q] = AsBh(_mm512_loadu_si512(dec[q] + k));
-    DSV4_UNROLL for (int i = 0; i < MR; ++i) {
-      const __m512bh xb = AsBh(_mm512_loadu_si512(x + i * xs + k));
-      DSV4_UNROLL for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], a[q], xb);
-    }
-  }
-  StoreSums<MR, 4>(acc, res, 0);
+  Ahead none;
+  DotBf16<MR, 4>(dec, kp, x, xs, false, none, res, 0);
 }
 
 // The four decoded rows against mr (1..4) activation rows: two weight rows per inner call (16 accumulators), the

@@ -40,6 +40,15 @@ size_t WeightScaleBytes(const WeightView& w) {
   }
 }
 
+bool Fp8ScalesScaledRange(const uint8_t* scale, size_t n) {
+  uint8_t lo = 0xFF, hi = 0;
+  for (size_t i = 0; i < n; ++i) {
+    lo = scale[i] < lo ? scale[i] : lo;
+    hi = scale[i] > hi ? scale[i] : hi;
+  }
+  return n == 0 || (lo >= kFp8ScaledMinE && hi <= kFp8ScaledMaxE);
+}
+
 WeightView WeightSlice(const WeightView& first, int64_t index) {
   WeightView w = first;
   w.data = static_cast<const uint8_t*>(first.data) + static_cast<size_t>(index) * WeightDataBytes(first);

@@ -152,62 +152,9 @@ void DecodeRowsF32(const WeightView& w, int64_t n0, int64_t rows, int64_t kp, fl
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Block-ahead prefetch of weight rows read in place side by side, where the plan turns the per-row software prefetch
-// off (AMD Zen 4). Without it, where several groups of activation rows reuse each weight block, the first group's dot
-// products wait on DRAM while the later groups compute from L1 / L2 with nothing in flight; and four rows side by
-// side stream slower than the hardware prefetchers' one sequential stream. Each k step of every dot product over the
-// current block issues `per` prefetches (into L2) of the block two ahead, so the whole of it is requested by the time
-// the current block is done. Standalone, one core, bf16 head rows 65536 x 2048 from DRAM against 16 / 8 bf16
-// activation rows in groups of four: 2.23 / 2.9 -> 1.71 / 2.12 cycles per VDPBF16PS (one block ahead: 1.78 / 2.08;
-// the L1 hint: slower than none, the block and the activations already fill L1). Bench-preset head 129280 x 2048,
-// two cores: fp32 activations M = 3 / 4 / 8 22.3 / 23.4 / 34.8 -> 10.6 / 12.7 / 23.4 ms, bf16 M = 16 37.4 -> 29.3.
-// Prefetches change no result.
-struct Ahead {
-  const char* next = nullptr;  // next line to request
-  const char* end = nullptr;   // one past the last line of the range
-  int per = 0;                 // lines per k step (0: off)
-
-  void Step() {
-    for (int j = 0; j < per; ++j) {
-      if (next < end) _mm_prefetch(next, _MM_HINT_T1);
-      next += 64;
-    }
-  }
-};
-
 // Inner loops: res[i][q0 + q] = sum_k x_i[k] * w_q[k] for NQ weight rows (4, or 1: single below) and MR
-// activation rows; an accumulator's operation sequence does not depend on NQ.
-
-template <int MR, int NQ>
-void DotBf16(const uint16_t* const* w, int64_t kw, const uint16_t* x, int64_t xs, bool prefetch, Ahead& ahead,
-             float res[][4], int q0) {
-  __m512 acc[MR][4];
-  DSV4_UNROLL for (int i = 0; i < MR; ++i)
-    DSV4_UNROLL for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 <= kw; k += 32) {
-    __m512bh a[4];
-    DSV4_UNROLL for (int q = 0; q < NQ; ++q) {
-      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w[q] + k) + kPrefetchBytes, _MM_HINT_T0);
-      a[q] = AsBh(_mm512_loadu_si512(w[q] + k));
-    }
-    ahead.Step();
-    DSV4_UNROLL for (int i = 0; i < MR; ++i) {
-      const __m512bh xv = AsBh(_mm512_loadu_si512(x + i * xs + k));
-      DSV4_UNROLL for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], a[q], xv);
-    }
-  }
-  if (k < kw) {
-    const __mmask32 mask = Mask32(kw - k);
-    __m512bh a[4];
-    DSV4_UNROLL for (int q = 0; q < NQ; ++q) a[q] = AsBh(_mm512_maskz_loadu_epi16(mask, w[q] + k));
-    DSV4_UNROLL for (int i = 0; i < MR; ++i) {
-      const __m512bh xv = AsBh(_mm512_loadu_si512(x + i * xs + k));
-      DSV4_UNROLL for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], a[q], xv);
-    }
-  }
-  StoreSums<MR, NQ>(acc, res, q0);
-}
+// activation rows; an accumulator's operation sequence does not depend on NQ. bf16 activations against bf16 rows:
+// DotBf16 (with Ahead, linear_common_avx512.inc).
 
 // fp32 activations in [even, odd] chunk layout against bf16 rows.
 template <int MR, int NQ>

@@ -3,7 +3,8 @@
 // E8M0 scale byte (0xFF, the NaN code, is an error) or fp32 scale (must be finite) before the kernel runs. A scale
 // that is a constant initializer is checked once, when the kernel is created (an invalid one fails session
 // creation with the same message), and not again on each call. A constant FP8 weight is scanned once for NaN codes;
-// without any, the kernels take their NaN-free decode (WeightView::fp8_finite). Weights are used in place, in their
+// without any, the kernels take their NaN-free decode (WeightView::fp8_finite); constant E8M0 scales are scanned once
+// for the scaled decode's range (WeightView::fp8_scaled_range). Weights are used in place, in their
 // checkpoint layout: the kernels need no repacked copy (kernels/linear_blocks.h), so a session holds each weight once.
 #include <algorithm>
 #include <string>
@@ -105,6 +106,13 @@ class LinearFp8Kernel final : public LinearKernelBase {
         Fp8CodesFinite(weight)) {
       finite_weight_ = weight.data;
     }
+    // Constant E8M0 scales all in the scaled decode's range let the AVX512 rows put them into the decoded
+    // exponents (WeightView::fp8_scaled_range).
+    InputView scale;
+    if (init.constants != nullptr && init.constants->Get(2, &scale) && scale.data != nullptr &&
+        scale.dtype == kUint8 && Fp8ScalesScaledRange(scale.as<uint8_t>(), static_cast<size_t>(scale.numel))) {
+      scaled_range_scale_ = scale.data;
+    }
   }
 
   void Compute(ComputeContext& ctx) override {
@@ -118,6 +126,7 @@ class LinearFp8Kernel final : public LinearKernelBase {
     w.scale = scale.data;
     w.scale_format = scale.dtype == kUint8 ? ScaleFormat::kE8M0 : ScaleFormat::kF32;
     w.fp8_finite = finite_weight_ != nullptr && weight.data == finite_weight_;
+    w.fp8_scaled_range = scaled_range_scale_ != nullptr && scale.data == scaled_range_scale_;
     ExpectScaleShape(scale, {BlockCount(w.rows, block_), BlockCount(w.cols, block_)},
                      "[ceil(N/block_size), ceil(Kw/block_size)] for weight " + ShapeString(weight.shape) +
                          " and block_size=" + std::to_string(block_));
@@ -128,6 +137,7 @@ class LinearFp8Kernel final : public LinearKernelBase {
  private:
   const int64_t block_;
   const void* finite_weight_ = nullptr;  // constant weight scanned at creation: no NaN codes
+  const void* scaled_range_scale_ = nullptr;  // constant E8M0 scales scanned at creation: all in the scaled range
 };
 
 class LinearFp4Kernel final : public LinearKernelBase {

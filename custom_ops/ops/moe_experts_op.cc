@@ -2,10 +2,11 @@
 // or neither; every index in [0, E)), the stacked weight shapes against x, the scale shapes, and the scale values of
 // the experts this call uses, before the kernel runs. Scales that are constant initializers are checked whole (every
 // expert) once, when the kernel is created, and not again per call. Constant FP8 expert weights are scanned once for
-// NaN codes; without any, the kernels take their NaN-free decode (WeightView::fp8_finite). Expert weights are used
-// in place. compute="bf16" runs fp32 x through the bf16 slot (x rounded to bf16, y widened back): the experts then
-// compute as DeepSeek's bf16 reference does, on the bf16 products of VDPBF16PS / AMX-BF16. MoeExpertsFp4's
-// compute="int8" runs as compute="bf16" through the int8 slot (matmul operands quantised per 32-column block).
+// NaN codes; without any, the kernels take their NaN-free decode (WeightView::fp8_finite); constant E8M0 scales are
+// scanned once for the scaled decode's range (WeightView::fp8_scaled_range). Expert weights are used in place.
+// compute="bf16" runs fp32 x through the bf16 slot (x rounded to bf16, y widened back): the experts then compute as
+// DeepSeek's bf16 reference does, on the bf16 products of VDPBF16PS / AMX-BF16. MoeExpertsFp4's compute="int8" runs
+// as compute="bf16" through the int8 slot (matmul operands quantised per 32-column block).
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -210,6 +211,12 @@ class MoeExpertsFp8Kernel final : public MoeExpertsKernelBase {
           Fp8CodesFinite(weight)) {
         finite_weights_[i] = weight.data;
       }
+      // constant E8M0 scales of every expert in the scaled decode's range (WeightView::fp8_scaled_range)
+      InputView scale;
+      if (init.constants != nullptr && init.constants->Get(kS1 + i, &scale) && scale.data != nullptr &&
+          scale.dtype == kUint8 && Fp8ScalesScaledRange(scale.as<uint8_t>(), static_cast<size_t>(scale.numel))) {
+        scaled_range_scales_[i] = scale.data;
+      }
     }
   }
 
@@ -234,6 +241,8 @@ class MoeExpertsFp8Kernel final : public MoeExpertsKernelBase {
     WeightView* views[3] = {&w.w1, &w.w2, &w.w3};
     for (int i = 0; i < 3; ++i) {
       views[i]->fp8_finite = finite_weights_[i] != nullptr && ctx.Input(kW1 + i).data == finite_weights_[i];
+      views[i]->fp8_scaled_range =
+          scaled_range_scales_[i] != nullptr && ctx.Input(kS1 + i).data == scaled_range_scales_[i];
     }
     w.num_experts = experts;
     Run(ctx, w, r, k_.f32_fp8, k_.bf16_fp8);
@@ -251,6 +260,7 @@ class MoeExpertsFp8Kernel final : public MoeExpertsKernelBase {
 
   const int64_t block_;
   const void* finite_weights_[3] = {nullptr, nullptr, nullptr};  // constant w1, w2, w3 without NaN codes
+  const void* scaled_range_scales_[3] = {nullptr, nullptr, nullptr};  // constant s1, s2, s3 in the scaled range
 };
 
 class MoeExpertsFp4Kernel final : public MoeExpertsKernelBase {

@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "custom_ops/kernels/linear.h"
 #include "custom_ops/numerics/bf16.h"
 #include "custom_ops/platform/cpu_features.h"
 #include "custom_ops/platform/parallel.h"
@@ -91,6 +92,15 @@ inline void RequireIsa(dsv4::IsaLevel level) {
     kt::Skip(std::string(dsv4::IsaName(level)) + " is not supported by this CPU (highest level: " +
              dsv4::IsaName(dsv4::MaxSupportedIsa()) + ")");
   }
+}
+
+// What the ops set at load for a constant weight's scales: WeightView::fp8_scaled_range from a scan of the E8M0
+// scale bytes of `matrices` consecutive matrices laid out like w (a stacked expert tensor).
+inline void SetScaledRangeAsOps(dsv4::WeightView& w, int64_t matrices = 1) {
+  w.fp8_scaled_range = w.format == dsv4::WeightFormat::kFp8E4M3 && w.scale_format == dsv4::ScaleFormat::kE8M0 &&
+                       w.scale != nullptr &&
+                       dsv4::Fp8ScalesScaledRange(static_cast<const uint8_t*>(w.scale),
+                                                  dsv4::WeightScaleBytes(w) * static_cast<size_t>(matrices));
 }
 
 inline bool Verbose() { return std::getenv("DSV4_KT_VERBOSE") != nullptr; }

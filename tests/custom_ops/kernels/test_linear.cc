@@ -188,6 +188,8 @@ struct Problem {
   Weight w;
   std::vector<float> x32;     // fp32 activations (act kF32)
   std::vector<uint16_t> x16;  // bf16 activations (act kBf16)
+  // Run sets w.view.fp8_scaled_range as the ops do for constant scales (a scan); false keeps the view's own value
+  bool scan_scales = true;
   const void* x() const { return act == ActType::kF32 ? static_cast<const void*>(x32.data()) : x16.data(); }
 };
 
@@ -206,13 +208,15 @@ std::vector<float> Run(const std::function<void(ActType, const void*, int64_t, c
                                                 const dsv4::Parallel&)>& f,
                        const Problem& p, const dsv4::Parallel& par) {
   const int64_t n = p.w.view.rows;
+  WeightView w = p.w.view;
+  if (p.scan_scales) dsv4_test::SetScaledRangeAsOps(w);
   if (p.act == ActType::kF32) {
     std::vector<float> y(p.m * n, -7.0f);
-    f(p.act, p.x(), p.m, p.w.view, p.groups, y.data(), par);
+    f(p.act, p.x(), p.m, w, p.groups, y.data(), par);
     return y;
   }
   std::vector<uint16_t> y(p.m * n, 0xBEEF);
-  f(p.act, p.x(), p.m, p.w.view, p.groups, y.data(), par);
+  f(p.act, p.x(), p.m, w, p.groups, y.data(), par);
   return dsv4_test::FromBf16(y);
 }
 
@@ -559,10 +563,13 @@ void TestFp8ScaledRoutes(const Variant& v) {
   Rng rng(2718);
   const dsv4_test::ThreadParallel threads(2);
   constexpr int64_t kRows = 23;
-  for (int extreme : {0, 9, 247, 10, 246}) {  // 0: the usual bytes only; else one scale byte set to it
+  // 0: the usual bytes only; -1: the same without the op's scan (WeightView::fp8_scaled_range false, the folded
+  // loops); else one scale byte set to it
+  for (int extreme : {0, -1, 9, 247, 10, 246}) {
     for (int64_t block : {32, 128}) {
       Problem all = MakeProblem(rng, ActType::kBf16, Fmt::kFp8E8m0, kRows, 70, 300, 1, block);
-      if (extreme != 0) {
+      all.scan_scales = extreme != -1;
+      if (extreme > 0) {
         // one block's scale byte; above 2^100 its codes are kept subnormal (at most 7 x 2^-9) so sums stay finite
         const int64_t at = static_cast<int64_t>(all.w.scale.size() / 2), scale_cols = (300 + block - 1) / block;
         all.w.scale[at] = static_cast<uint8_t>(extreme);
@@ -573,7 +580,7 @@ void TestFp8ScaledRoutes(const Variant& v) {
         }
       }
       all.w.view.scale = all.w.scale.data();
-      const bool scaled = extreme == 0 || (extreme >= 10 && extreme <= 246);
+      const bool scaled = extreme == 0 || (extreme >= dsv4::kFp8ScaledMinE && extreme <= dsv4::kFp8ScaledMaxE);
       const int64_t n = all.w.view.rows, k = all.w.view.cols;
       for (int64_t invariant : {int64_t{0}, kRows}) {
         all.w.view.invariant_rows = invariant;
@@ -606,6 +613,21 @@ void TestFp8ScaledRoutes(const Variant& v) {
                                 << " rows differ from the row computed alone";
         }
       }
+    }
+  }
+}
+
+// The load-time scan behind WeightView::fp8_scaled_range: every byte in [10, 246], nothing else.
+void TestFp8ScaledRangeScan() {
+  std::vector<uint8_t> s(300, 127);
+  KT_CHECK(dsv4::Fp8ScalesScaledRange(s.data(), s.size())) << "bytes of 127";
+  for (const auto& [byte, in] : std::vector<std::pair<int, bool>>{{10, true}, {246, true}, {9, false}, {247, false},
+                                                                  {0, false}, {254, false}}) {
+    for (size_t at : {size_t{0}, size_t{63}, size_t{64}, s.size() - 1}) {
+      std::vector<uint8_t> t = s;
+      t[at] = static_cast<uint8_t>(byte);
+      KT_CHECK(dsv4::Fp8ScalesScaledRange(t.data(), t.size()) == in) << "byte " << byte << " at " << at;
+      KT_CHECK(dsv4::Fp8ScalesScaledRange(t.data(), at)) << "the bytes before " << at << " only";
     }
   }
 }
@@ -765,6 +787,7 @@ const bool kRegistered = [] {
     kt::Register("linear_" + v.name + "_fp8_scaled_routes", [v] { TestFp8ScaledRoutes(v); });
     kt::Register("linear_" + v.name + "_fp8_scaled_guard", [v] { TestFp8ScaledGuard(v); });
   }
+  kt::Register("linear_fp8_scaled_range_scan", TestFp8ScaledRangeScan);
 #if DSV4_X86_VARIANTS && DSV4_HAVE_AMX_EMULATION
   kt::Register("linear_amx_matches_emulation", TestAmxMatchesEmulation);
   kt::Register("linear_avx512_layouts_match_portable", TestLayoutsMatchPortable);

@@ -227,13 +227,15 @@ std::vector<float> Run(const MoeFn& f, const Problem& p, const dsv4::Parallel& p
   const int64_t dim = p.ew.w1.cols;
   const float* wt = p.indices.empty() ? nullptr : p.weights.data();
   const int64_t* idx = p.indices.empty() ? nullptr : p.indices.data();
+  ExpertWeights ew = p.ew;  // the scales' range flag as the op sets it for constant scales
+  for (WeightView* w : {&ew.w1, &ew.w2, &ew.w3}) dsv4_test::SetScaledRangeAsOps(*w, ew.num_experts);
   if (p.act == ActType::kF32) {
     std::vector<float> y(p.tokens * dim, -7.0f);
-    f(p.act, p.x(), p.tokens, wt, idx, p.top_k, p.ew, p.limit, y.data(), par);
+    f(p.act, p.x(), p.tokens, wt, idx, p.top_k, ew, p.limit, y.data(), par);
     return y;
   }
   std::vector<uint16_t> y(p.tokens * dim, 0xBEEF);
-  f(p.act, p.x(), p.tokens, wt, idx, p.top_k, p.ew, p.limit, y.data(), par);
+  f(p.act, p.x(), p.tokens, wt, idx, p.top_k, ew, p.limit, y.data(), par);
   return dsv4_test::FromBf16(y);
 }
 
