@@ -66,6 +66,9 @@ extern const SparseAttentionKernels kSparseAttention;
 
 namespace avx512 {
 extern const SparseAttentionKernels kSparseAttention;
+// The same, with bf16 inputs (D a multiple of 32) multiplied on VDPBF16PS instead of widened to fp32 FMAs: chosen
+// per CPU (FamilyPlan::bf16_dot, kernel_tables.h).
+extern const SparseAttentionKernels kSparseAttentionBf16Dot;
 }  // namespace avx512
 
 namespace amx {

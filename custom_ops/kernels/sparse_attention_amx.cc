@@ -47,6 +47,7 @@ constexpr int kPvVecs = 3;
 #endif
 
 #include "custom_ops/kernels/sparse_attention_simd.inc"
+#include "custom_ops/kernels/sparse_attention_pairs.inc"
 
 // ---------------------------------------------------------------------------------------------------------------
 // bf16 on tiles.
@@ -62,31 +63,6 @@ void ConfigureTiles() {
   TileLoadConfig(cfg);
 }
 
-// qt[k2][h][2] = (q[h][2 k2], q[h][2 k2 + 1]) for h < count, 0 for padding heads and channels >= D.
-void PackQt(const uint16_t* q_rows, int64_t count, const Geometry& g, uint16_t* qt) {
-#if !defined(DSV4_AMX_EMULATION)
-  // 16 heads x 16 channel pairs at a time: one 64-byte row per head, transposed as 32-bit elements.
-  for (int64_t h0 = 0; h0 < g.HGp; h0 += 16) {
-    for (int64_t d0 = 0; d0 < g.Dp; d0 += 32) {
-      __m512i r[16];
-      const int64_t width = MinI(32, MaxI(0, g.D - d0));
-      const __mmask32 m = width >= 32 ? ~__mmask32{0} : ((__mmask32{1} << width) - 1);
-      for (int h = 0; h < 16; ++h) {
-        r[h] = h0 + h < count ? _mm512_maskz_loadu_epi16(m, q_rows + (h0 + h) * g.D + d0) : _mm512_setzero_si512();
-      }
-      Transpose16(r);
-      for (int k = 0; k < 16; ++k) _mm512_storeu_si512(qt + ((d0 / 2 + k) * g.HGp + h0) * 2, r[k]);
-    }
-  }
-#else
-  const int64_t pairs = g.Dp / 2;
-  std::memset(qt, 0, sizeof(uint16_t) * pairs * g.HGp * 2);
-  for (int64_t h = 0; h < count; ++h) {
-    const uint16_t* src = q_rows + h * g.D;
-    for (int64_t d = 0; d < g.D; ++d) qt[((d / 2) * g.HGp + h) * 2 + (d & 1)] = src[d];
-  }
-#endif
-}
 
 // kc[r][0, Dp) = rows[r] (bf16, zero past D) for r < nb, zero rows up to kTileKeys.
 void CopyKeyBlock(const void* const* rows, int64_t nb, const Geometry& g, uint16_t* kc) {
@@ -124,24 +100,6 @@ struct LinePrefetcher {
   }
 };
 
-// dst[d][2] = (a[d], b[d]) for d < Dp (a multiple of 32).
-void InterleavePair(const uint16_t* a, const uint16_t* b, int64_t Dp, uint16_t* dst) {
-#if !defined(DSV4_AMX_EMULATION)
-  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
-                                          37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
-  for (int64_t d = 0; d < Dp; d += 32) {
-    const __m512i va = _mm512_loadu_si512(a + d), vb = _mm512_loadu_si512(b + d);
-    _mm512_storeu_si512(dst + 2 * d, _mm512_permutex2var_epi16(va, lo_idx, vb));
-    _mm512_storeu_si512(dst + 2 * d + 32, _mm512_permutex2var_epi16(va, hi_idx, vb));
-  }
-#else
-  for (int64_t d = 0; d < Dp; ++d) {
-    dst[2 * d] = a[d];
-    dst[2 * d + 1] = b[d];
-  }
-#endif
-}
 
 // L rows [0, 32) (ld HGp) = scale * kc [32 keys] . qt for every head tile; pf issues prefetches along the way.
 void QkTiles(const uint16_t* kc, const uint16_t* qt, const Geometry& g, float* L, LinePrefetcher& pf, int per_step) {

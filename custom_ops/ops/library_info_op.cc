@@ -58,6 +58,8 @@ class LibraryInfoKernel final : public Kernel {
     js << "}, \"batch_invariant_rows\": " << tables_->invariant_rows;
     js << ", \"weight_prefetch\": " << (tables_->weight_prefetch ? "true" : "false")
        << ", \"weight_prefetch_source\": \"" << LevelSourceName(tables_->prefetch_source) << '"';
+    js << ", \"bf16_dot\": " << (tables_->bf16_dot ? "true" : "false") << ", \"bf16_dot_source\": \""
+       << LevelSourceName(tables_->bf16_dot_source) << '"';
     js << ", \"resident_weights\": {\"policy\": \"" << ResidentPolicyName(ResidentPolicyFromEnv())
        << "\", \"huge_pages_offered\": " << (HugePagesOffered() ? "true" : "false")
        << ", \"min_bytes\": " << kResidentMinBytes << ", \"bytes_now\": " << ResidentBytes() << '}';

@@ -62,14 +62,21 @@ struct FamilyPlan {
   // policy's choice (CpuPrefetch) unless DSV4_ORT_KERNELS has `prefetch=on|off`.
   bool weight_prefetch = true;
   LevelSource prefetch_source = LevelSource::kCap;
+  // bf16 SparseAttention inputs multiplied on VDPBF16PS where the family runs at avx512 (avx512::
+  // kSparseAttentionBf16Dot) instead of widened to fp32 FMAs: the CPU policy's choice (CpuBf16Dot) unless
+  // DSV4_ORT_KERNELS has `bf16dot=on|off`.
+  bool bf16_dot = false;
+  LevelSource bf16_dot_source = LevelSource::kCap;
   bool operator==(const FamilyPlan& o) const {
     return cap == o.cap && level == o.level && source == o.source && invariant_rows == o.invariant_rows &&
-           weight_prefetch == o.weight_prefetch && prefetch_source == o.prefetch_source;
+           weight_prefetch == o.weight_prefetch && prefetch_source == o.prefetch_source && bf16_dot == o.bf16_dot &&
+           bf16_dot_source == o.bf16_dot_source;
   }
 };
 
 // The plan for `cap` (already clamped to MaxSupportedIsa()) on this CPU. `forced` is DSV4_ORT_KERNELS or nullptr:
-// comma-separated `family=level` entries (e.g. "linear=avx2,indexer=scalar") and optionally `prefetch=on|off`; a
+// comma-separated `family=level` entries (e.g. "linear=avx2,indexer=scalar") and optionally `prefetch=on|off` and
+// `bf16dot=on|off`; a
 // forced level above the cap is clamped to the cap (the cap stays the ceiling). Throws std::invalid_argument naming
 // a malformed entry, an unknown family or level.
 FamilyPlan MakePlan(IsaLevel cap, const char* forced);
@@ -80,11 +87,16 @@ std::array<IsaLevel, kNumFamilies> CpuPolicy(IsaLevel cap, const CpuFeatures& f)
 // Whether the CPU `f` streams weight rows faster with the decode loops' software prefetch (FamilyPlan).
 bool CpuPrefetch(const CpuFeatures& f);
 
+// Whether the CPU `f` multiplies bf16 faster on VDPBF16PS than widened to fp32 FMAs (FamilyPlan::bf16_dot).
+bool CpuBf16Dot(const CpuFeatures& f);
+
 struct KernelTables {
   IsaLevel level = IsaLevel::kScalar;  // the plan's cap
   int64_t invariant_rows = 0;          // the plan's batch-invariance bound
   bool weight_prefetch = true;         // the plan's weight prefetch
   LevelSource prefetch_source = LevelSource::kCap;
+  bool bf16_dot = false;               // the plan's bf16_dot (whether sparse_attention took its Bf16Dot table)
+  LevelSource bf16_dot_source = LevelSource::kCap;
 #define DSV4_TABLE_MEMBER(member, Type, name) \
   const Type* member = nullptr;               \
   IsaLevel member##_level = IsaLevel::kScalar; \

@@ -62,7 +62,9 @@ def library_info(isa: str | None = None, kernels: str | None = None, batch_invar
     """What the library reports about itself in a session: op table, CPU (vendor, family, model, features), the
     ISA level of each kernel family and why (``family_source``: ``cap``, ``cpu`` policy or ``forced``), and the
     batch-invariance bound (``batch_invariant_rows``, 0 = off), and whether the linear / expert rows path prefetches
-    bf16 / fp32 weight rows in software (``weight_prefetch``, with ``weight_prefetch_source`` as for families), and
+    bf16 / fp32 weight rows in software (``weight_prefetch``, with ``weight_prefetch_source`` as for families),
+    whether bf16 SparseAttention inputs are multiplied on VDPBF16PS at the avx512 level (``bf16_dot``, with
+    ``bf16_dot_source``), and
     the resident-weights policy (``resident_weights``: ``policy`` of ``DSV4_ORT_RESIDENT_WEIGHTS``,
     ``huge_pages_offered``, ``min_bytes``, and ``bytes_now`` held in copies by this process).
 

@@ -44,6 +44,9 @@ def _cmd_info(args) -> int:
     why_pf = {"cap": "", "cpu": "  (the hardware prefetchers stream faster alone on this CPU)",
               "forced": "  (DSV4_ORT_KERNELS)"}
     print(f"weight prefetch: {'on' if info['weight_prefetch'] else 'off'}{why_pf[info['weight_prefetch_source']]}")
+    why_dot = {"cap": "", "cpu": "  (VDPBF16PS outruns fp32 FMAs on this CPU)", "forced": "  (DSV4_ORT_KERNELS)"}
+    print(f"bf16 attention products: {'VDPBF16PS' if info['bf16_dot'] else 'widened to fp32'} at avx512"
+          f"{why_dot[info['bf16_dot_source']]}")
     rw = info["resident_weights"]
     print(f"resident weights: {rw['policy']} (DSV4_ORT_RESIDENT_WEIGHTS; transparent huge pages "
           f"{'offered' if rw['huge_pages_offered'] else 'not offered'}: constant inputs of {rw['min_bytes'] >> 20} MiB "

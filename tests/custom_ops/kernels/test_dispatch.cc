@@ -4,6 +4,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "custom_ops/kernels/sparse_attention.h"
 #include "custom_ops/platform/cpu_features.h"
 #include "custom_ops/platform/kernel_tables.h"
 #include "kt.h"
@@ -60,6 +61,11 @@ KT_TEST(dispatch_cpu_policy_keeps_the_cap_and_turns_prefetch_off_on_zen4) {
   KT_CHECK(dsv4::CpuPrefetch(Cpu("AuthenticAMD", 0x1a, 0x02)));
   KT_CHECK(dsv4::CpuPrefetch(Cpu("GenuineIntel", 6, 0x8f)));
   KT_CHECK(dsv4::CpuPrefetch(Cpu("GenuineIntel", 6, 0xcf)));
+  // bf16 attention products on VDPBF16PS: AMD family 0x19 only
+  KT_CHECK(dsv4::CpuBf16Dot(Cpu("AuthenticAMD", 0x19, 0x11)));
+  KT_CHECK(!dsv4::CpuBf16Dot(Cpu("AuthenticAMD", 0x1a, 0x02)));
+  KT_CHECK(!dsv4::CpuBf16Dot(Cpu("GenuineIntel", 6, 0x8f)));
+  KT_CHECK(!dsv4::CpuBf16Dot(Cpu("GenuineIntel", 6, 0xcf)));
 }
 
 KT_TEST(dispatch_forced_prefetch) {
@@ -75,6 +81,32 @@ KT_TEST(dispatch_forced_prefetch) {
   }
   KT_CHECK(!(dsv4::MakePlan(IsaLevel::kAvx2, "prefetch=on") == dsv4::MakePlan(IsaLevel::kAvx2, "prefetch=off")));
   KT_CHECK(Throws("prefetch=maybe", "prefetch='maybe' is neither on nor off"));
+}
+
+// bf16dot=on|off: the plan's flag, and the sparse_attention table where the family runs at avx512 (only there).
+KT_TEST(dispatch_forced_bf16_dot) {
+  const FamilyPlan def = dsv4::MakePlan(IsaLevel::kScalar, nullptr);
+  KT_CHECK(def.bf16_dot == dsv4::CpuBf16Dot(dsv4::GetCpuFeatures()));
+  KT_CHECK(def.bf16_dot_source == (def.bf16_dot ? LevelSource::kCpu : LevelSource::kCap));
+  for (const char* value : {"on", "off"}) {
+    const bool on = std::strcmp(value, "on") == 0;
+    for (const char* level : {"avx2", "avx512"}) {
+      const FamilyPlan p =
+          dsv4::MakePlan(dsv4::MaxSupportedIsa(), (std::string("sparse_attention=") + level + ", bf16dot=" + value).c_str());
+      KT_CHECK(p.bf16_dot == on && p.bf16_dot_source == LevelSource::kForced);
+      const dsv4::KernelTables& t = dsv4::GetKernelTables(p);
+      KT_CHECK(t.bf16_dot == on && t.bf16_dot_source == LevelSource::kForced);
+#if DSV4_X86_VARIANTS
+      if (t.sparse_attention_level == IsaLevel::kAvx512) {
+        KT_CHECK(t.sparse_attention == (on ? &dsv4::avx512::kSparseAttentionBf16Dot : &dsv4::avx512::kSparseAttention))
+            << level << " " << value;
+      } else {
+        KT_CHECK(t.sparse_attention != &dsv4::avx512::kSparseAttentionBf16Dot) << level << " " << value;
+      }
+#endif
+    }
+  }
+  KT_CHECK(Throws("bf16dot=yes", "bf16dot='yes' is neither on nor off"));
 }
 
 KT_TEST(dispatch_forced_levels_and_clamping) {

@@ -259,6 +259,7 @@ const bool kRegistered = [] {
 #if DSV4_X86_VARIANTS
   RegisterTable("avx2", [] { return Table(IsaLevel::kAvx2); }, IsaLevel::kAvx2);
   RegisterTable("avx512", [] { return Table(IsaLevel::kAvx512); }, IsaLevel::kAvx512);
+  RegisterTable("avx512_bf16dot", [] { return &dsv4::avx512::kSparseAttentionBf16Dot; }, IsaLevel::kAvx512);
   RegisterTable("amx", [] { return Table(IsaLevel::kAmx); }, IsaLevel::kAmx);
 #endif
 #if DSV4_HAVE_AMX_EMULATION

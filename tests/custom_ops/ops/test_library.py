@@ -95,6 +95,20 @@ def test_weight_prefetch_follows_the_cpu_and_can_be_forced():
         dsv4_ort.library_info(kernels="prefetch=sometimes")
 
 
+def test_bf16_dot_follows_the_cpu_and_can_be_forced():
+    """bf16 SparseAttention products on VDPBF16PS: the CPU policy's choice (on for AMD family 0x19), or
+    DSV4_ORT_KERNELS; `dsv4-ort info` shows it."""
+    info = library_info()
+    zen = info["cpu"]["vendor"] == "AuthenticAMD" and info["cpu"]["family"] == 0x19
+    assert info["bf16_dot"] is zen
+    assert info["bf16_dot_source"] == ("cpu" if zen else "cap")
+    for value in ("on", "off"):
+        forced = dsv4_ort.library_info(kernels=f"bf16dot={value}")
+        assert forced["bf16_dot"] is (value == "on") and forced["bf16_dot_source"] == "forced"
+    with pytest.raises(ValueError, match="bf16dot='2x' is neither on nor off"):
+        dsv4_ort.library_info(kernels="bf16dot=2x")
+
+
 def test_invalid_isa_value_lists_valid_ones():
     with pytest.raises(Exception) as e:
         dsv4_ort.library_info("sse9")
