@@ -23,12 +23,28 @@ void RunAttend(const SparseAttentionKernels& k, const uint16_t* q, const uint16_
   k.attend_bf16(q, kv, window, entries, indices, sink, inv_freq, start_pos, d, scale, o, par);
 }
 
-template <class T>
-void AttendT(const SparseAttentionKernels& k, const T* q, const T* kv, const uint8_t* window, const uint8_t* entries,
+// Readers of state rows (row r of the [B * rows, ...] state) into T[D]: FP8 entries decoded exactly, float rows
+// rounded to bf16.
+struct Fp8StateRows {
+  const uint8_t* base;
+  int64_t dim, rope;
+  template <class T>
+  void Decode(int64_t r, T* dst) const { DecodeEntry(base + r * EntryBytes(dim, rope), dim, rope, dst); }
+};
+struct F32StateRowsAsBf16 {
+  const float* base;
+  int64_t dim;
+  void Decode(int64_t r, uint16_t* dst) const {
+    for (int64_t i = 0; i < dim; ++i) dst[i] = F32ToBf16(base[r * dim + i]);
+  }
+};
+
+// The level's kernel on the rows the call can read (the header's list), gathered by `rows` into T scratch.
+template <class T, class Rows>
+void AttendT(const SparseAttentionKernels& k, const T* q, const T* kv, const Rows& window, const Rows* entries,
              const int64_t* indices, const float* sink, const float* inv_freq, const int64_t* start_pos,
              const SparseAttentionDims& d, float scale, T* o, const Parallel& par) {
-  const int64_t B = d.batch, S = d.seq, D = d.dim, n_win = d.window, rope = 2 * d.half;
-  const int64_t row_bytes = EntryBytes(D, rope);
+  const int64_t B = d.batch, S = d.seq, D = d.dim, n_win = d.window;
   // The ring: slots the chunk's first query can see (later queries see a subset of them).
   std::vector<T> win(static_cast<size_t>(B * n_win * D), T{});
   for (int64_t b = 0; b < B; ++b) {
@@ -36,7 +52,7 @@ void AttendT(const SparseAttentionKernels& k, const T* q, const T* kv, const uin
     for (int64_t j = 0; j < n_win; ++j) {
       const int64_t rp = p0 - 1 - attn_keys::FloorMod(p0 - 1 - j, n_win);
       if (rp >= 0 && rp > p0 - n_win) {
-        DecodeEntry(window + (b * n_win + j) * row_bytes, D, rope, win.data() + (b * n_win + j) * D);
+        window.Decode(b * n_win + j, win.data() + (b * n_win + j) * D);
       }
     }
   }
@@ -86,7 +102,7 @@ void AttendT(const SparseAttentionKernels& k, const T* q, const T* kv, const uin
     for (int64_t b = 0; b < B; ++b) {
       const std::vector<int64_t>& r = rows[b];
       for (size_t u = 0; u < r.size(); ++u) {
-        DecodeEntry(entries + (b * N + r[u]) * row_bytes, D, rope, ent.data() + (b * used + static_cast<int64_t>(u)) * D);
+        entries->Decode(b * N + r[u], ent.data() + (b * used + static_cast<int64_t>(u)) * D);
       }
     }
     dd.capacity = used;
@@ -144,13 +160,39 @@ void IndexerT(const IndexerKernels& k, const T* q, const float* weights, const u
 void Attend(const SparseAttentionKernels& k, bool bf16, const void* q, const void* kv, const uint8_t* window,
             const uint8_t* entries, const int64_t* indices, const float* sink, const float* inv_freq,
             const int64_t* start_pos, const SparseAttentionDims& d, float scale, void* o, const Parallel& par) {
+  const int64_t rope = 2 * d.half;
+  const Fp8StateRows win{window, d.dim, rope}, ent{entries, d.dim, rope};
+  const Fp8StateRows* ent_rows = entries != nullptr ? &ent : nullptr;
   if (bf16) {
-    AttendT(k, static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(kv), window, entries, indices, sink,
+    AttendT(k, static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(kv), win, ent_rows, indices, sink,
             inv_freq, start_pos, d, scale, static_cast<uint16_t*>(o), par);
   } else {
-    AttendT(k, static_cast<const float*>(q), static_cast<const float*>(kv), window, entries, indices, sink, inv_freq,
+    AttendT(k, static_cast<const float*>(q), static_cast<const float*>(kv), win, ent_rows, indices, sink, inv_freq,
             start_pos, d, scale, static_cast<float*>(o), par);
   }
+}
+
+void AttendBf16Products(const SparseAttentionKernels& k, const float* q, const float* kv, const void* window,
+                        const void* entries, bool fp8_state, const int64_t* indices, const float* sink,
+                        const float* inv_freq, const int64_t* start_pos, const SparseAttentionDims& d, float scale,
+                        float* o, const Parallel& par) {
+  const size_t nq = static_cast<size_t>(d.batch * d.seq * d.heads * d.dim), nkv = static_cast<size_t>(d.batch * d.seq * d.dim);
+  std::vector<uint16_t> qb(nq), kvb(nkv), ob(nq);
+  for (size_t i = 0; i < nq; ++i) qb[i] = F32ToBf16(q[i]);
+  for (size_t i = 0; i < nkv; ++i) kvb[i] = F32ToBf16(kv[i]);
+  if (fp8_state) {
+    const int64_t rope = 2 * d.half;
+    const Fp8StateRows win{static_cast<const uint8_t*>(window), d.dim, rope},
+        ent{static_cast<const uint8_t*>(entries), d.dim, rope};
+    AttendT(k, qb.data(), kvb.data(), win, entries != nullptr ? &ent : nullptr, indices, sink, inv_freq, start_pos, d,
+            scale, ob.data(), par);
+  } else {
+    const F32StateRowsAsBf16 win{static_cast<const float*>(window), d.dim},
+        ent{static_cast<const float*>(entries), d.dim};
+    AttendT(k, qb.data(), kvb.data(), win, entries != nullptr ? &ent : nullptr, indices, sink, inv_freq, start_pos, d,
+            scale, ob.data(), par);
+  }
+  for (size_t i = 0; i < nq; ++i) o[i] = Bf16ToF32(ob[i]);
 }
 
 void WindowWrite(const void* kv, bool bf16, const int64_t* start_pos, const SparseAttentionDims& d,

@@ -1,4 +1,5 @@
-// SparseAttention, its ring update and the Indexer over FP8 state (layouts in state_fp8.h), for every ISA level.
+// SparseAttention, its ring update and the Indexer over FP8 state (layouts in state_fp8.h), for every ISA level, and
+// SparseAttention's bf16 products on float32 inputs (compute="bf16"), which gather the same rows.
 //
 // The readers decode only what the call can read into a per-call scratch of the activation type and run the level's
 // ordinary kernel on it, so the accelerated variants need no FP8 code of their own:
@@ -28,6 +29,14 @@ namespace state_fp8 {
 void Attend(const SparseAttentionKernels& k, bool bf16, const void* q, const void* kv, const uint8_t* window,
             const uint8_t* entries, const int64_t* indices, const float* sink, const float* inv_freq,
             const int64_t* start_pos, const SparseAttentionDims& d, float scale, void* o, const Parallel& par);
+
+// compute="bf16" for float32 q / kv / o (the op attribute): the bf16 kernel on q and kv rounded to bf16 and on the
+// state rows the call reads (the list above) rounded to bf16 (float32 state) or decoded to bf16 (FP8 state,
+// fp8_state = true: window / entries as in Attend), o widened back. The float32 state is not written here.
+void AttendBf16Products(const SparseAttentionKernels& k, const float* q, const float* kv, const void* window,
+                        const void* entries, bool fp8_state, const int64_t* indices, const float* sink,
+                        const float* inv_freq, const int64_t* start_pos, const SparseAttentionDims& d, float scale,
+                        float* o, const Parallel& par);
 
 // kv [B, S, D] (float32 or bf16) -> window slots (start_pos[b] + t) % n_win, in place.
 void WindowWrite(const void* kv, bool bf16, const int64_t* start_pos, const SparseAttentionDims& d, uint8_t* window);

@@ -2,6 +2,8 @@
 // present_window; when the runtime binds one buffer to both (IOBinding, same OrtValue) only the chunk's slots are
 // written, after the attention has read the ring. Index ranges and entry capacity are validated before anything is
 // written. uint8 window / entries are FP8 state (kernels/state_fp8.h): decoded for the rows read, quantised on write.
+// compute="bf16" with float inputs runs the bf16 kernel on the rounded inputs and rows read, o widened back
+// (state_fp8_ops.h); the ring write is unchanged.
 #include <cmath>
 
 #include "kernels/sparse_attention.h"
@@ -18,7 +20,8 @@ class SparseAttentionKernel final : public Kernel {
   explicit SparseAttentionKernel(const KernelInit& init)
       : k_(*init.tables->sparse_attention),
         ratio_(init.attrs->Int("ratio")),
-        softmax_scale_(init.attrs->Float("softmax_scale")) {}
+        softmax_scale_(init.attrs->Float("softmax_scale")),
+        bf16_products_(init.attrs->String("compute") == "bf16") {}
 
   void Compute(ComputeContext& ctx) override {
     const InputView &q = ctx.Input(0), &kv = ctx.Input(1), &window = ctx.Input(2), &entries = ctx.Input(3);
@@ -93,7 +96,12 @@ class SparseAttentionKernel final : public Kernel {
 
     void* o = ctx.Output(0, q.numel);
     void* present = ctx.Output(1, window.numel);
-    if (q.numel > 0 && fp8) {
+    if (q.numel > 0 && bf16_products_ && q.dtype == kFloat) {
+      const int64_t* idx = use_indices && d.topk > 0 ? indices.as<int64_t>() : nullptr;
+      state_fp8::AttendBf16Products(k_, q.as<float>(), kv.as<float>(), window.data,
+                                    use_entries ? entries.data : nullptr, fp8, idx, sink.as<float>(),
+                                    inv_freq.as<float>(), sp, d, scale, static_cast<float*>(o), ctx.Par());
+    } else if (q.numel > 0 && fp8) {
       const int64_t* idx = use_indices && d.topk > 0 ? indices.as<int64_t>() : nullptr;
       state_fp8::Attend(k_, q.dtype == kBFloat16, q.data, kv.data, window.as<uint8_t>(),
                         use_entries ? entries.as<uint8_t>() : nullptr, idx, sink.as<float>(), inv_freq.as<float>(), sp,
@@ -122,6 +130,7 @@ class SparseAttentionKernel final : public Kernel {
   const SparseAttentionKernels& k_;
   int64_t ratio_;
   float softmax_scale_;
+  const bool bf16_products_;  // compute="bf16": float inputs multiply as bf16 (state_fp8::AttendBf16Products)
 };
 
 }  // namespace

@@ -113,17 +113,17 @@ def test_bad_options_and_shapes(tmp_path):
     np.testing.assert_array_equal(QN.dequant_fp8_block(fp8.weight.data, fp8.scale.data), np.ones((4, 48)))
 
 
-# ---- --compute bf16: the linears' and experts' products in bf16 (op attribute compute="bf16") ----
+# ---- --compute bf16: the linears', experts' and attention's products in bf16 (op attribute compute="bf16") ----
 
 def compute_export(cache, tmp_path, compute: str):
-    """The tiny preset exported with ``--compute``: the set of ``compute`` attributes per linear / expert op type
-    (None where a node has none), the session's recorded mode, its logits on 24 random ids, and their relative error
+    """The tiny preset exported with ``--compute``: the set of ``compute`` attributes per linear / expert / attention
+    op type (None where a node has none), the session's recorded mode, its logits on 24 random ids, and their relative error
     against the reference's per position."""
     path = export_model(cache.checkpoint("tiny"), tmp_path / compute, logits="all", max_seq_len=256, progress=False,
                         compute=compute)
     modes = {}
     for n in onnx.load(str(path), load_external_data=False).graph.node:
-        if n.op_type.startswith(("Linear", "MoeExperts")):
+        if n.op_type.startswith(("Linear", "MoeExperts", "SparseAttention")):
             mode = next((onnx.helper.get_attribute_value(a) for a in n.attribute if a.name == "compute"), None)
             modes.setdefault(n.op_type, set()).add(mode)
     sess = Session(path.parent, intra_op_threads=1)
@@ -148,8 +148,8 @@ def test_compute_bf16_export(cache, tmp_path):
 
 
 def test_compute_int8_export(cache, tmp_path):
-    """--compute int8: every MoeExpertsFp4 node carries compute="int8", every other linear / expert node "bf16";
-    the logits stay near the reference's and differ from the --compute bf16 export's."""
+    """--compute int8: every MoeExpertsFp4 node carries compute="int8", every other linear / expert / attention node
+    "bf16"; the logits stay near the reference's and differ from the --compute bf16 export's."""
     modes, meta, got, errs = compute_export(cache, tmp_path, "int8")
     assert modes.pop("MoeExpertsFp4") == {b"int8"}
     assert modes and all(m == {b"bf16"} for m in modes.values()), modes

@@ -97,8 +97,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="the same for the dense projections (attention, compressor, indexer, shared experts; not the "
                         "routers, embedding or routed experts)")
     p.add_argument("--compute", choices=("fp32", "bf16", "int8"), default="fp32",
-                   help="products of the linears' and MoE experts' float32 activations: fp32 (exact; default), "
-                        "bf16 (activations and weights rounded to bf16, fp32 sums; the experts as for bf16 activations: "
+                   help="products of the linears', MoE experts' and attention's float32 activations: fp32 (exact; "
+                        "default), bf16 (activations and weights rounded to bf16, fp32 sums; the experts and the "
+                        "attention as for bf16 activations: "
                         "AVX512-BF16 / AMX-BF16 speed for prefill and batches) or int8 (bf16, and the FP4 routed "
                         "experts' inputs quantised to int8 per 32 columns for VNNI integer products; see the "
                         "README for where it pays and its quality cost)")

@@ -319,7 +319,7 @@ class DecoderGraph:
 
     def _compute_attr(self, op: str) -> str | None:
         """The op's ``compute`` attribute for this export's mode (None: the default, fp32). ``int8`` is a mode of
-        the FP4 routed experts only; every other linear / expert op takes bf16 products then."""
+        the FP4 routed experts only; every other linear / expert / attention op takes bf16 products then."""
         if self.compute == "int8":
             return "int8" if op == "MoeExpertsFp4" else "bf16"
         return None if self.compute == "fp32" else self.compute
@@ -516,7 +516,8 @@ class DecoderGraph:
                         {"q": q, "kv": kv, "past_window": win.input_name, "entries": entries, "indices": indices,
                          "sink": self._w(f"{p}.attn_sink").name, "inv_freq": inv, "start_pos": start_pos},
                         {"o": f"{p}.o", "present_window": win.output_name},
-                        f"{p}.sparse_attention", ratio=int(ratio), softmax_scale=float(D ** -0.5))
+                        f"{p}.sparse_attention", ratio=int(ratio), softmax_scale=float(D ** -0.5),
+                        compute=self._compute_attr("SparseAttention"))
         o = g.node("Reshape", [o, self._i64("const.merge_heads", [0, 0, H * D])],
                    [(f"{p}.o_flat", ACT, [BATCH, SEQ, H * D])], f"{p}.o_flat")[0]
         u = self.linear(o, f"{p}.wo_a.weight", f"{p}.wo_a", groups=G)

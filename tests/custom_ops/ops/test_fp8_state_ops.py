@@ -220,6 +220,25 @@ def test_sparse_attention_fp8_indices(isa, dtype):
     c.check(run_op("SparseAttention", f, dict(ratio=4), isa), f, 4)
 
 
+@pytest.mark.parametrize("ratio,selected", [(0, False), (16, False), (4, True)])
+def test_sparse_attention_fp8_compute_bf16(isa, ratio, selected):
+    """compute="bf16" with float q / kv over FP8 state: o equals, bit for bit, the bfloat16 op's on q and kv rounded
+    to bf16 over the same state (the rows decode to bf16 exactly), widened; the ring write quantises the float kv as
+    with compute="fp32"."""
+    B, S, N, k = 2, 5, 24, 6
+    c = AttnCase(B, S, N=N, seed=31 + ratio)
+    idx = c.rng.integers(-1, N, (B, S, k)).astype(np.int64) if selected else None
+    f = c.feeds([3, 70], idx)
+    got = run_op("SparseAttention", f, dict(ratio=ratio, compute="bf16"), isa)
+    typed = run_op("SparseAttention", {**f, "q": bf16(f["q"]), "kv": bf16(f["kv"])}, dict(ratio=ratio), isa)
+    np.testing.assert_array_equal(got[0], typed[0])
+    fp32 = run_op("SparseAttention", f, dict(ratio=ratio), isa)
+    np.testing.assert_array_equal(got[1], fp32[1])
+    # a bf16-sized change from the fp32 products, not a different result
+    err = np.linalg.norm(got[0] - fp32[0]) / np.linalg.norm(fp32[0])
+    assert 1e-5 < err < 1e-2, err
+
+
 def test_sparse_attention_fp8_in_place_decode_steps(isa):
     """Token-by-token through IOBinding (one uint8 buffer as past and present), against the reference stepping
     its dequantised ring."""

@@ -182,6 +182,49 @@ def test_model_sizes(isa, heads, S, swa_only):
     check(run_op("SparseAttention", f, dict(ratio=ratio), isa), spec(f, ratio), "float32")
 
 
+# ---- compute="bf16": float inputs multiplied as bf16 ---------------------------------------------------------------
+
+def _rounded(f):
+    """The feeds with every float tensor except sink / inv_freq rounded to bf16 (fed as bfloat16)."""
+    return {k: bf16(v) if v is not None and v.dtype == np.float32 and k not in ("sink", "inv_freq") else v
+            for k, v in f.items()}
+
+
+@pytest.mark.parametrize("shape", ["small", "model"])
+@pytest.mark.parametrize("kind", ["window", "hca", "csa"])
+def test_compute_bf16_is_the_bf16_op_on_rounded_inputs(isa, shape, kind):
+    """compute="bf16" on float inputs: o equals, bit for bit, the bfloat16 op's output on q, kv, the window and the
+    entries rounded to bf16 (widened back), and is within bf16 error of the spec run in bfloat16; the float ring is
+    written exactly as with compute="fp32". D = 512 with 64 heads also takes the VDPBF16PS products where the CPU
+    picks them (bf16_dot)."""
+    rng = np.random.default_rng(10 * ["small", "model"].index(shape) + ["window", "hca", "csa"].index(kind))
+    heads, Dm, rdm, n_win, N, S = (3, D, RD, N_WIN, 12, 5) if shape == "small" else (64, 512, 64, 128, 80, 3)
+    freqs = (1.0 / 160000.0 ** (np.arange(0, rdm, 2, dtype=np.float32) / rdm)).astype(np.float32)
+    q = rng.standard_normal((2, S, heads, Dm)).astype(np.float32)
+    kv = (rng.standard_normal((2, S, Dm)) * 0.5).astype(np.float32)
+    window = (rng.standard_normal((2, n_win, Dm)) * 0.5).astype(np.float32)
+    entries = None if kind == "window" else (rng.standard_normal((2, N, Dm)) * 0.5).astype(np.float32)
+    start = [7, 300] if shape == "model" else [2, 29]
+    ratio = 0 if kind == "window" else (16 if shape == "model" and kind == "hca" else 4)
+    idx = rng.integers(-1, N, (2, S, 6)).astype(np.int64) if kind == "csa" else None
+    f = feeds(q, kv, window, entries, idx, rng.standard_normal(heads).astype(np.float32), start, freqs)
+    got = run_op("SparseAttention", f, dict(ratio=ratio, compute="bf16"), isa)
+    typed = run_op("SparseAttention", _rounded(f), dict(ratio=ratio), isa)
+    np.testing.assert_array_equal(got[0], typed[0])
+    assert got[0].dtype == np.float32
+    np.testing.assert_array_equal(got[1], run_op("SparseAttention", f, dict(ratio=ratio), isa)[1])
+    check([got[0], got[1]], [spec(_rounded(f), ratio)[0], got[1]], "bfloat16")
+    # and it is not the fp32 result
+    assert not np.array_equal(got[0], run_op("SparseAttention", f, dict(ratio=ratio), isa)[0])
+
+
+def test_compute_bf16_on_bf16_inputs_changes_nothing():
+    c = Case(2, 3, N=6, seed=21, dtype="bfloat16")
+    f = c.feeds([4, 17])
+    a, b = run_op("SparseAttention", f, dict(ratio=4, compute="bf16")), run_op("SparseAttention", f, dict(ratio=4))
+    np.testing.assert_array_equal(a[0], b[0])
+
+
 # ---- bad input ----------------------------------------------------------------------------------------------------
 
 def test_sparse_attention_bad_indices_write_nothing():
@@ -227,3 +270,5 @@ def test_sparse_attention_bad_shapes():
         assert "SparseAttention" in msg and name in msg, (name, msg)
     msg = session_error("SparseAttention", ok, dict(ratio=-1))
     assert "ratio" in msg
+    msg = session_error("SparseAttention", ok, dict(ratio=4, compute="fp16"))
+    assert "compute" in msg and "fp16" in msg, msg
