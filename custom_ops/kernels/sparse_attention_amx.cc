@@ -65,11 +65,16 @@ void ConfigureTiles() {
 
 
 // kc[r][0, Dp) = rows[r] (bf16, zero past D) for r < nb, zero rows up to kTileKeys.
+template <class X>
 void CopyKeyBlock(const void* const* rows, int64_t nb, const Geometry& g, uint16_t* kc) {
   for (int64_t r = 0; r < kTileKeys; ++r) {
     uint16_t* dst = kc + r * g.Dp;
     if (r < nb) {
-      std::memcpy(dst, rows[r], sizeof(uint16_t) * g.D);
+      if constexpr (sizeof(X) == sizeof(float)) {
+        StoreRow(static_cast<const float*>(rows[r]), g.D, dst);  // float keys rounded (compute="bf16")
+      } else {
+        std::memcpy(dst, rows[r], sizeof(uint16_t) * g.D);
+      }
       if (g.Dp > g.D) std::memset(dst + g.D, 0, sizeof(uint16_t) * (g.Dp - g.D));
     } else {
       std::memset(dst, 0, sizeof(uint16_t) * g.Dp);
@@ -231,9 +236,11 @@ void ChunkOutput(const uint16_t* const* pt, const uint16_t* const* vi, const int
   }
 }
 
-// bf16 products on tiles: the product policy of the driver in sparse_attention_simd.inc for bf16 inputs. QK on
-// blocks of 32 keys copied into kc; PV on chunks of kChunk keys: the chunk's keys interleaved by pairs into vi and
-// its probabilities transposed into pt, then one product per key step.
+// bf16 products on tiles: the product policy of the driver in sparse_attention_simd.inc for bf16 inputs (X =
+// uint16_t) and for float inputs multiplied as bf16 (X = float, compute="bf16": the query and each key block rounded
+// where they are copied). QK on blocks of 32 keys copied into kc; PV on chunks of kChunk keys: the chunk's keys
+// interleaved by pairs into vi and its probabilities transposed into pt, then one product per key step.
+template <class X>
 struct TileQkBf16 {
   static constexpr int64_t kChunk = 256;
   static constexpr int kPairs[1][2] = {{0, 0}};
@@ -254,19 +261,26 @@ struct TileQkBf16 {
   }
   void Begin() { ConfigureTiles(); }
   void End() { TileRelease(); }
-  void Prepare(const uint16_t* q_rows, int64_t count, const Geometry& g) { PackQt(q_rows, count, g, qt); }
+  void Prepare(const X* q_rows, int64_t count, const Geometry& g) {
+    if constexpr (sizeof(X) == sizeof(float)) {
+      StoreRow(q_rows, count * g.D, vi);  // rounded into vi (kChunk x Dp >= 64 heads x D; free until Output)
+      PackQt(vi, count, g, qt);
+    } else {
+      PackQt(q_rows, count, g, qt);
+    }
+  }
 
   void Logits(const Geometry& g, TaskMemory& m, int64_t j0, int64_t j1, float scale, float* L) {
     // Prefetches run kPrefetchBlocks blocks ahead of the block being multiplied; the lines of one block are spread
     // over the tile steps of an earlier one.
-    LinePrefetcher pf{m.rows + j0, j1 - j0, static_cast<size_t>(g.D) * 2};
+    LinePrefetcher pf{m.rows + j0, j1 - j0, static_cast<size_t>(g.D) * g.elem};
     const int64_t lines_per_block = kTileKeys * ((g.D * 2 + 63) / 64);
     const int64_t steps_per_block = (g.HGp / 32 + (g.HGp % 32 != 0)) * (g.Dp / 32);
     const int per_step = static_cast<int>((lines_per_block + steps_per_block - 1) / steps_per_block);
     pf.Issue(static_cast<int>(lines_per_block * kPrefetchBlocks));
     for (int64_t j = j0; j < j1; j += kTileKeys) {
       const int64_t nb = MinI(kTileKeys, j1 - j);
-      CopyKeyBlock(m.rows + j, nb, g, kc);
+      CopyKeyBlock<X>(m.rows + j, nb, g, kc);
       float* Lb = L + j * g.HGp;
       QkTiles(kc, qt, g, Lb, pf, per_step);
       const Vf vs = VSet1(scale);
@@ -284,7 +298,7 @@ struct TileQkBf16 {
       const int64_t keys32 = RoundUp(nk, kTileKeys);
       for (int64_t jb = 0; jb < keys32; jb += kTileKeys) {
         const int64_t nb = MinI(kTileKeys, nk - jb);
-        CopyKeyBlock(m.rows + c0 + jb, nb, g, kc);
+        CopyKeyBlock<X>(m.rows + c0 + jb, nb, g, kc);
         for (int64_t p = 0; p < kTileKeys / 2; ++p) {
           InterleavePair(kc + 2 * p * g.Dp, kc + (2 * p + 1) * g.Dp, g.Dp, vi + (jb / 2 + p) * g.Dp * 2);
         }
@@ -604,12 +618,21 @@ void AttendF32(const float* q, const float* kv, const float* window, const float
 void AttendBf16(const uint16_t* q, const uint16_t* kv, const uint16_t* window, const uint16_t* entries,
                 const int64_t* indices, const float* sink, const float* inv_freq, const int64_t* start_pos,
                 const SparseAttentionDims& dims, float scale, uint16_t* o, const Parallel& par) {
-  Attend<uint16_t, TileQkBf16>(q, kv, window, entries, indices, sink, inv_freq, start_pos, dims, scale, o, par);
+  Attend<uint16_t, TileQkBf16<uint16_t>>(q, kv, window, entries, indices, sink, inv_freq, start_pos, dims, scale, o,
+                                         par);
+}
+
+bool AttendF32Bf16(const float* q, const float* kv, const float* window, const float* entries, const int64_t* indices,
+                   const float* sink, const float* inv_freq, const int64_t* start_pos, const SparseAttentionDims& dims,
+                   float scale, float* o, const Parallel& par) {
+  Attend<float, TileQkBf16<float>, uint16_t>(q, kv, window, entries, indices, sink, inv_freq, start_pos, dims, scale,
+                                             o, par);
+  return true;
 }
 
 }  // namespace
 
-const SparseAttentionKernels kSparseAttention = {&AttendF32, &AttendBf16, &WindowWrite};
+const SparseAttentionKernels kSparseAttention = {&AttendF32, &AttendBf16, &WindowWrite, &AttendF32Bf16};
 
 }  // namespace DSV4_AMX_NS
 }  // namespace dsv4

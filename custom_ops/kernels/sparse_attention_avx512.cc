@@ -104,17 +104,21 @@ void PvTileBf16(const uint32_t* pp, int64_t HGp, const uint16_t* vi, int64_t Dp,
   }
 }
 
-// The product policy of the driver (sparse_attention_simd.inc, VecQk) for bf16 inputs with D % 32 == 0 (so Dp == D
-// and every key row holds whole 32-channel pieces).
+// The product policy of the driver (sparse_attention_simd.inc, VecQk) for D % 32 == 0 (so Dp == D and every key row
+// holds whole 32-channel pieces). X = uint16_t: bf16 inputs, used as they are; X = float: float inputs multiplied as
+// bf16 (compute="bf16", with the driver's R = bf16): the query rounded when packed, each key block rounded into kc.
+template <class X>
 struct DotQkBf16 {
+  static constexpr bool kRound = sizeof(X) == sizeof(float);
   uint16_t* qt = nullptr;  // [Dp/2][HGp][2]
   uint16_t* vi = nullptr;  // [kKeyBlock/2][Dp][2]
   uint32_t* pp = nullptr;  // [kKeyBlock/2][HGp]
   uint16_t* zero = nullptr;  // [Dp]: the partner of an odd block's last key
+  uint16_t* kc = nullptr;  // kRound: [kKeyBlock][Dp] a key block rounded to bf16; the query rows before packing
 
   static size_t Bytes(const Geometry& g) {
     return Arena::Bytes(g.Dp * g.HGp, 2) + Arena::Bytes(kKeyBlock * g.Dp, 2) + Arena::Bytes(kKeyBlock / 2 * g.HGp, 4) +
-           Arena::Bytes(g.Dp, 2);
+           Arena::Bytes(g.Dp, 2) + (kRound ? Arena::Bytes(MaxI(kKeyBlock, g.HGp) * g.Dp, 2) : 0);
   }
   void Init(Arena& a, const Geometry& g) {
     qt = a.Take<uint16_t>(g.Dp * g.HGp);
@@ -122,18 +126,37 @@ struct DotQkBf16 {
     pp = a.Take<uint32_t>(kKeyBlock / 2 * g.HGp);
     zero = a.Take<uint16_t>(g.Dp);
     std::memset(zero, 0, sizeof(uint16_t) * g.Dp);
+    if constexpr (kRound) kc = a.Take<uint16_t>(MaxI(kKeyBlock, g.HGp) * g.Dp);
   }
   void Begin() {}
   void End() {}
-  void Prepare(const uint16_t* q_rows, int64_t count, const Geometry& g) { PackQt(q_rows, count, g, qt); }
+  void Prepare(const X* q_rows, int64_t count, const Geometry& g) {
+    if constexpr (kRound) {
+      for (int64_t h = 0; h < count; ++h) StoreRow(q_rows + h * g.D, g.D, kc + h * g.D);  // nearest even, as numerics/bf16.h
+      PackQt(kc, count, g, qt);
+    } else {
+      PackQt(q_rows, count, g, qt);
+    }
+  }
+  // bf16 rows of keys [j, j + nb) into keys[]: the rows themselves, or rounded into kc.
+  void KeyRows(const Geometry& g, const TaskMemory& m, int64_t j, int64_t nb, const uint16_t** keys) {
+    for (int64_t r = 0; r < nb; ++r) {
+      if constexpr (kRound) {
+        StoreRow(static_cast<const float*>(m.rows[j + r]), g.D, kc + r * g.Dp);
+        keys[r] = kc + r * g.Dp;
+      } else {
+        keys[r] = static_cast<const uint16_t*>(m.rows[j + r]);
+      }
+    }
+  }
 
   void Logits(const Geometry& g, TaskMemory& m, int64_t j0, int64_t j1, float scale, float* L) {
     const uint16_t* keys[kKeyBlock];
     const int64_t slabs = g.HGp / kLanes;
     for (int64_t j = j0; j < j1; j += kKeyBlock) {
       const int64_t nb = MinI(kKeyBlock, j1 - j);
-      if (j + kKeyBlock < j1) PrefetchRows(m.rows + j + kKeyBlock, MinI(kKeyBlock, j1 - j - kKeyBlock), g.D * 2);
-      for (int64_t r = 0; r < nb; ++r) keys[r] = static_cast<const uint16_t*>(m.rows[j + r]);
+      if (j + kKeyBlock < j1) PrefetchRows(m.rows + j + kKeyBlock, MinI(kKeyBlock, j1 - j - kKeyBlock), g.D * g.elem);
+      KeyRows(g, m, j, nb, keys);
       float* Lb = L + j * g.HGp;
       int64_t s0 = 0;
       for (; s0 + kQkSlabs <= slabs; s0 += kQkSlabs) QkSlabsBf16<kQkSlabs, kQkKeys>(qt, g.HGp, s0, keys, nb, g.D, scale, Lb);
@@ -142,14 +165,14 @@ struct DotQkBf16 {
   }
 
   void Output(const Geometry& g, TaskMemory& m, int64_t count, int64_t j0, int64_t j1, const float* L, float* O) {
+    const uint16_t* keys[kKeyBlock];
     const int64_t hend = RoundUp(count, kPvHeads);
     for (int64_t j = j0; j < j1; j += kKeyBlock) {
       const int64_t nb = MinI(kKeyBlock, j1 - j), np = (nb + 1) / 2;
-      if (j + kKeyBlock < j1) PrefetchRows(m.rows + j + kKeyBlock, MinI(kKeyBlock, j1 - j - kKeyBlock), g.D * 2);
+      if (j + kKeyBlock < j1) PrefetchRows(m.rows + j + kKeyBlock, MinI(kKeyBlock, j1 - j - kKeyBlock), g.D * g.elem);
+      KeyRows(g, m, j, nb, keys);
       for (int64_t p = 0; p < np; ++p) {
-        const uint16_t* a = static_cast<const uint16_t*>(m.rows[j + 2 * p]);
-        const uint16_t* b = 2 * p + 1 < nb ? static_cast<const uint16_t*>(m.rows[j + 2 * p + 1]) : zero;
-        InterleavePair(a, b, g.Dp, vi + p * g.Dp * 2);
+        InterleavePair(keys[2 * p], 2 * p + 1 < nb ? keys[2 * p + 1] : zero, g.Dp, vi + p * g.Dp * 2);
         // probability pairs: the low half from key 2p, the high half from key 2p + 1 (0 past the block)
         const float* la = L + (j + 2 * p) * g.HGp;
         const float* lb = 2 * p + 1 < nb ? la + g.HGp : nullptr;
@@ -191,16 +214,26 @@ void AttendBf16Dot(const uint16_t* q, const uint16_t* kv, const uint16_t* window
                    const int64_t* indices, const float* sink, const float* inv_freq, const int64_t* start_pos,
                    const SparseAttentionDims& dims, float scale, uint16_t* o, const Parallel& par) {
   if (dims.dim % 32 == 0) {
-    Attend<uint16_t, DotQkBf16>(q, kv, window, entries, indices, sink, inv_freq, start_pos, dims, scale, o, par);
+    Attend<uint16_t, DotQkBf16<uint16_t>>(q, kv, window, entries, indices, sink, inv_freq, start_pos, dims, scale, o,
+                                          par);
   } else {
     Attend(q, kv, window, entries, indices, sink, inv_freq, start_pos, dims, scale, o, par);
   }
 }
 
+bool AttendF32Bf16Dot(const float* q, const float* kv, const float* window, const float* entries,
+                      const int64_t* indices, const float* sink, const float* inv_freq, const int64_t* start_pos,
+                      const SparseAttentionDims& dims, float scale, float* o, const Parallel& par) {
+  if (dims.dim % 32 != 0) return false;
+  Attend<float, DotQkBf16<float>, uint16_t>(q, kv, window, entries, indices, sink, inv_freq, start_pos, dims, scale, o,
+                                            par);
+  return true;
+}
+
 }  // namespace
 
 const SparseAttentionKernels kSparseAttention = {&AttendF32, &AttendBf16, &WindowWrite};
-const SparseAttentionKernels kSparseAttentionBf16Dot = {&AttendF32, &AttendBf16Dot, &WindowWrite};
+const SparseAttentionKernels kSparseAttentionBf16Dot = {&AttendF32, &AttendBf16Dot, &WindowWrite, &AttendF32Bf16Dot};
 
 }  // namespace avx512
 }  // namespace dsv4

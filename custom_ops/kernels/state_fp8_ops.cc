@@ -2,6 +2,8 @@
 #include "custom_ops/kernels/state_fp8_ops.h"
 
 #include <algorithm>
+#include <cstring>
+#include <utility>
 #include <vector>
 
 #include "custom_ops/kernels/sparse_attention_keys.h"
@@ -31,13 +33,31 @@ struct Fp8StateRows {
   template <class T>
   void Decode(int64_t r, T* dst) const { DecodeEntry(base + r * EntryBytes(dim, rope), dim, rope, dst); }
 };
+// n floats -> bf16, round to nearest even, NaN kept quiet: F32ToBf16 without its branch, so the loop vectorises.
+void RoundToBf16(const float* src, int64_t n, uint16_t* dst) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, src + i, sizeof bits);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const uint32_t quiet = (bits >> 16) | 0x0040u;
+    dst[i] = static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
+  }
+}
+
 struct F32StateRowsAsBf16 {
   const float* base;
   int64_t dim;
-  void Decode(int64_t r, uint16_t* dst) const {
-    for (int64_t i = 0; i < dim; ++i) dst[i] = F32ToBf16(base[r * dim + i]);
-  }
+  void Decode(int64_t r, uint16_t* dst) const { RoundToBf16(base + r * dim, dim, dst); }
 };
+
+// Decodes the listed rows (state row, destination) on the pool, in a few chunks per thread.
+template <class T, class Rows>
+void DecodeRows(const Rows& rows, const std::vector<std::pair<int64_t, T*>>& jobs, const Parallel& par) {
+  const size_t chunks = static_cast<size_t>(4 * (par.num_threads > 1 ? par.num_threads : 1));
+  par.ForRange(jobs.size(), chunks, [&](size_t begin, size_t end) {
+    for (size_t i = begin; i < end; ++i) rows.Decode(jobs[i].first, jobs[i].second);
+  });
+}
 
 // The level's kernel on the rows the call can read (the header's list), gathered by `rows` into T scratch.
 template <class T, class Rows>
@@ -47,15 +67,15 @@ void AttendT(const SparseAttentionKernels& k, const T* q, const T* kv, const Row
   const int64_t B = d.batch, S = d.seq, D = d.dim, n_win = d.window;
   // The ring: slots the chunk's first query can see (later queries see a subset of them).
   std::vector<T> win(static_cast<size_t>(B * n_win * D), T{});
+  std::vector<std::pair<int64_t, T*>> jobs;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t p0 = start_pos[b];
     for (int64_t j = 0; j < n_win; ++j) {
       const int64_t rp = p0 - 1 - attn_keys::FloorMod(p0 - 1 - j, n_win);
-      if (rp >= 0 && rp > p0 - n_win) {
-        window.Decode(b * n_win + j, win.data() + (b * n_win + j) * D);
-      }
+      if (rp >= 0 && rp > p0 - n_win) jobs.emplace_back(b * n_win + j, win.data() + (b * n_win + j) * D);
     }
   }
+  DecodeRows(window, jobs, par);
   SparseAttentionDims dd = d;
   std::vector<T> ent;
   std::vector<int64_t> remapped;
@@ -99,12 +119,14 @@ void AttendT(const SparseAttentionKernels& k, const T* q, const T* kv, const Row
       idx_ptr = remapped.data();
     }
     ent.assign(static_cast<size_t>(B * used * D), T{});
+    jobs.clear();
     for (int64_t b = 0; b < B; ++b) {
       const std::vector<int64_t>& r = rows[b];
       for (size_t u = 0; u < r.size(); ++u) {
-        entries->Decode(b * N + r[u], ent.data() + (b * used + static_cast<int64_t>(u)) * D);
+        jobs.emplace_back(b * N + r[u], ent.data() + (b * used + static_cast<int64_t>(u)) * D);
       }
     }
+    DecodeRows(*entries, jobs, par);
     dd.capacity = used;
     if (used > 0) ent_ptr = ent.data();
     if (used == 0) {
@@ -178,8 +200,12 @@ void AttendBf16Products(const SparseAttentionKernels& k, const float* q, const f
                         float* o, const Parallel& par) {
   const size_t nq = static_cast<size_t>(d.batch * d.seq * d.heads * d.dim), nkv = static_cast<size_t>(d.batch * d.seq * d.dim);
   std::vector<uint16_t> qb(nq), kvb(nkv), ob(nq);
-  for (size_t i = 0; i < nq; ++i) qb[i] = F32ToBf16(q[i]);
-  for (size_t i = 0; i < nkv; ++i) kvb[i] = F32ToBf16(kv[i]);
+  const size_t chunks = static_cast<size_t>(4 * (par.num_threads > 1 ? par.num_threads : 1)), piece = 4096;
+  par.ForRange((nq + piece - 1) / piece, chunks, [&](size_t begin, size_t end) {
+    const size_t lo = begin * piece, hi = std::min(end * piece, nq);
+    RoundToBf16(q + lo, static_cast<int64_t>(hi - lo), qb.data() + lo);
+  });
+  RoundToBf16(kv, static_cast<int64_t>(nkv), kvb.data());
   if (fp8_state) {
     const int64_t rope = 2 * d.half;
     const Fp8StateRows win{static_cast<const uint8_t*>(window), d.dim, rope},
@@ -192,7 +218,9 @@ void AttendBf16Products(const SparseAttentionKernels& k, const float* q, const f
     AttendT(k, qb.data(), kvb.data(), win, entries != nullptr ? &ent : nullptr, indices, sink, inv_freq, start_pos, d,
             scale, ob.data(), par);
   }
-  for (size_t i = 0; i < nq; ++i) o[i] = Bf16ToF32(ob[i]);
+  par.ForRange((nq + piece - 1) / piece, chunks, [&](size_t begin, size_t end) {
+    for (size_t i = begin * piece, hi = std::min(end * piece, nq); i < hi; ++i) o[i] = Bf16ToF32(ob[i]);
+  });
 }
 
 void WindowWrite(const void* kv, bool bf16, const int64_t* start_pos, const SparseAttentionDims& d,

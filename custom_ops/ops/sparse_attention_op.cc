@@ -98,7 +98,12 @@ class SparseAttentionKernel final : public Kernel {
     void* present = ctx.Output(1, window.numel);
     if (q.numel > 0 && bf16_products_ && q.dtype == kFloat) {
       const int64_t* idx = use_indices && d.topk > 0 ? indices.as<int64_t>() : nullptr;
-      state_fp8::AttendBf16Products(k_, q.as<float>(), kv.as<float>(), window.data,
+      // the level's own bf16 products on float rows where it has them, else the rows read rounded first
+      const bool native = !fp8 && k_.attend_f32_bf16 != nullptr &&
+                          k_.attend_f32_bf16(q.as<float>(), kv.as<float>(), window.as<float>(),
+                                             use_entries ? entries.as<float>() : nullptr, idx, sink.as<float>(),
+                                             inv_freq.as<float>(), sp, d, scale, static_cast<float*>(o), ctx.Par());
+      if (!native) state_fp8::AttendBf16Products(k_, q.as<float>(), kv.as<float>(), window.data,
                                     use_entries ? entries.data : nullptr, fp8, idx, sink.as<float>(),
                                     inv_freq.as<float>(), sp, d, scale, static_cast<float*>(o), ctx.Par());
     } else if (q.numel > 0 && fp8) {

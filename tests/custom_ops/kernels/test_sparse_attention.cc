@@ -236,6 +236,34 @@ void TestHeadSplitIdentical(const SparseAttentionKernels& k, bool bf16) {
   }
 }
 
+// attend_f32_bf16 (compute="bf16"), where a table has it: for every config (fp32 values, so the rounding matters) it
+// either declines (false, nothing written) or gives exactly attend_bf16's output on the rounded inputs, widened
+// (Run rounds to nearest even as the slot promises); serial and on 3 threads.
+void TestF32Bf16(const SparseAttentionKernels& k) {
+  Rng rng(0x5a18);
+  const dsv4_test::ThreadParallel threads(3);
+  int64_t taken = 0;
+  for (Config c : Configs()) {
+    c.bf16_values = false;
+    const Problem p = Make(rng, c);
+    const std::vector<float> want = Run(k, p, true, dsv4::SerialParallel());
+    for (const bool serial : {true, false}) {
+      std::vector<float> o(p.q.size(), -7.0f);
+      const bool done =
+          k.attend_f32_bf16(p.q.data(), p.kv.data(), p.window.data(), p.with_entries ? p.entries.data() : nullptr,
+                            p.with_indices ? p.indices.data() : nullptr, p.sink.data(), p.inv_freq.data(),
+                            p.start_pos.data(), p.d, p.scale, o.data(), serial ? dsv4::SerialParallel() : threads.Get());
+      if (!done) {
+        KT_CHECK(std::all_of(o.begin(), o.end(), [](float v) { return v == -7.0f; })) << Describe(c);
+        continue;
+      }
+      ++taken;
+      dsv4_test::ExpectIdentical(Describe(c) + (serial ? " serial" : " 3 threads"), o, want);
+    }
+  }
+  KT_CHECK(taken > 0) << "no config took the fp32-in bf16 path";
+}
+
 void RegisterTable(const std::string& isa, const SparseAttentionKernels* (*get)(), IsaLevel require) {
   for (bool bf16 : {false, true}) {
     const std::string dtype = bf16 ? "bf16" : "f32";
@@ -260,10 +288,20 @@ const bool kRegistered = [] {
   RegisterTable("avx2", [] { return Table(IsaLevel::kAvx2); }, IsaLevel::kAvx2);
   RegisterTable("avx512", [] { return Table(IsaLevel::kAvx512); }, IsaLevel::kAvx512);
   RegisterTable("avx512_bf16dot", [] { return &dsv4::avx512::kSparseAttentionBf16Dot; }, IsaLevel::kAvx512);
+  // the tables with a native attend_f32_bf16 (the others leave it to the op's rounding gather)
+  kt::Register("sparse_attention_f32_bf16_products_avx512_bf16dot", [] {
+    dsv4_test::RequireIsa(IsaLevel::kAvx512);
+    TestF32Bf16(dsv4::avx512::kSparseAttentionBf16Dot);
+  });
+  kt::Register("sparse_attention_f32_bf16_products_amx", [] {
+    dsv4_test::RequireIsa(IsaLevel::kAmx);
+    TestF32Bf16(dsv4::amx::kSparseAttention);
+  });
   RegisterTable("amx", [] { return Table(IsaLevel::kAmx); }, IsaLevel::kAmx);
 #endif
 #if DSV4_HAVE_AMX_EMULATION
   RegisterTable("amx_emu", [] { return &dsv4::amx_emu::kSparseAttention; }, IsaLevel::kScalar);
+  kt::Register("sparse_attention_f32_bf16_products_amx_emu", [] { TestF32Bf16(dsv4::amx_emu::kSparseAttention); });
 #endif
   return true;
 }();
