@@ -49,14 +49,15 @@ def model_capacity(contexts, preset: str | None = None) -> int:
 
 def cached_export(name: str, log, *, check=None, **export_kw) -> Path:
     """``export_model(None, DIR, **export_kw)`` into the bench cache once (DIR: ``<cache>/bench/<name>-v<version>-
-    ops<op table>``); returns DIR. A directory that ``check`` (default: read_metadata) refuses, damaged or of an
+    ops<op table version>-<digest of the op table>``, so a changed op contract, such as a new attribute the exporter
+    sets, exports again); returns DIR. A directory that ``check`` (default: read_metadata) refuses, damaged or of an
     older format, is exported again."""
     import dsv4_ort
     from dsv4_ort.export import export_model, schema
     from dsv4_ort.runtime.cli import cache_dir
     from dsv4_ort.runtime.session import ModelError, read_metadata
 
-    out = cache_dir() / "bench" / f"{name}-v{dsv4_ort.__version__}-ops{schema.TABLE_VERSION}"
+    out = cache_dir() / "bench" / f"{name}-v{dsv4_ort.__version__}-ops{schema.TABLE_VERSION}-{schema.TABLE_DIGEST}"
     if out.is_dir():
         try:
             (check or read_metadata)(out)

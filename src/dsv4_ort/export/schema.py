@@ -8,6 +8,7 @@ torch nor onnx; :func:`make_node` and :func:`register_onnx_schemas` import onnx 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from functools import lru_cache
 from pathlib import Path
@@ -63,6 +64,9 @@ def load_table() -> dict:
 
 DOMAIN: str = load_table()["domain"]
 TABLE_VERSION: int = load_table()["table_version"]
+# Digest of the table file: names exports in caches, so a changed contract (a new attribute the exporter sets) exports
+# again even where table_version stays.
+TABLE_DIGEST: str = hashlib.sha256(TABLE_PATH.read_bytes()).hexdigest()[:8]
 ORT_API_VERSION: int = load_table()["ort_api_version"]
 
 

@@ -95,7 +95,7 @@ def ensure_export(checkpoint: str | None, *, quiet: bool, force: bool = False) -
     from dsv4_ort.export import schema
     from dsv4_ort.export.cli import check_checkpoint_path
 
-    tag = f"v{dsv4_ort.__version__}-ops{schema.TABLE_VERSION}"
+    tag = f"v{dsv4_ort.__version__}-ops{schema.TABLE_VERSION}-{schema.TABLE_DIGEST}"
     if checkpoint is None:
         out = cache_dir() / "models" / f"{DEMO_PRESET}-seed{DEMO_SEED}-{tag}"
     else:
