@@ -346,15 +346,15 @@ bool FoldsAllRows(ActType act, const WeightView& w) {
 }
 
 // FoldsAllRows weights known to have every scale byte in [kFp8ScaledMinE, kFp8ScaledMaxE] (scales 2^-117 .. 2^119;
-// WeightView::fp8_scaled_range, scanned once by the ops) decode with the scale in the exponent (Fp8Bf16Block) and sum without block sums: each product is bf16(code * scale) * x,
-// as on the scratch path (DecodeRowsBf16 + DotBf16), which then gives the same bits. The fold's block sums cost
-// the 16-row loop an add and a scale per accumulator and block beside four VDPBF16PS (the FMA pipes' other work), and
-// kept it to two weight rows per group (block sums and totals of four rows do not fit the registers); a 4 x 4 group
-// with the totals in memory measured no faster. AMD EPYC family 0x19 model 0x11, one core, 16 batch-invariant bf16
-// rows, bench-preset shapes 4096 x 512 / 1024 x 2048 (in L3): 0.60-0.88 / 0.60-0.76 ms -> 0.48 / 0.48 (the decode
-// is 0.11 of it); the bench preset's 16-row batch-invariant bf16 decode step, two builds interleaved in one process:
-// 123.7 -> 114.5 ms (per-round ratio 0.90-0.95); one row unchanged (27.9 / 28.3 ms, noise). The whole weight
-// decides, so a row sums the same way in every call and task split.
+// WeightView::fp8_scaled_range, scanned once by the ops) decode with the scale in the exponent (Fp8Bf16Block) and sum
+// without block sums: each product is bf16(code * scale) * x, as on the scratch path (DecodeRowsBf16 + DotBf16), which
+// then gives the same bits. The fold's block sums cost the 16-row loop an add and a scale per accumulator and block
+// beside four VDPBF16PS (the FMA pipes' other work), and kept it to two weight rows per group (block sums and totals of
+// four rows do not fit the registers); a 4 x 4 group with the totals in memory measured no faster. AMD EPYC family 0x19
+// model 0x11, one core, 16 batch-invariant bf16 rows, bench-preset shapes 4096 x 512 / 1024 x 2048 (in L3): 0.60-0.88 /
+// 0.60-0.76 ms -> 0.48 / 0.48 (the decode is 0.11 of it); the bench preset's 16-row batch-invariant bf16 decode step,
+// two builds interleaved in one process: 123.7 -> 114.5 ms (per-round ratio 0.90-0.95); one row unchanged (27.9 / 28.3
+// ms, noise). The whole weight decides, so a row sums the same way in every call and task split.
 bool ScaledBf16(ActType act, const WeightView& w) {
   return FoldsAllRows(act, w) && w.block > 0 && w.fp8_scaled_range;
 }

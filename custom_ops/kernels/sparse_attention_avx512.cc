@@ -1,14 +1,16 @@
-// AVX512 SparseAttention (sparse_attention.h), two tables. kSparseAttention: fp32 products on 16-lane vectors for
-// fp32 and bf16 inputs (bf16 keys widened once per key block; the algorithm is in sparse_attention_simd.inc, this
-// file supplies the vector layer). kSparseAttentionBf16Dot: the same for fp32, and for bf16 inputs with D a multiple
-// of 32 both products on VDPBF16PS (DotQkBf16 below), which takes the bf16 query, keys and probabilities as they are,
-// two per 32-bit lane. Which one a session uses is the CPU's (FamilyPlan::bf16_dot): VDPBF16PS does two fp32 FMAs'
-// work in one instruction on AMD Zen 4, but runs at half the FMA rate on the Intel Xeon measured (246 against 493
-// GFLOP/s). AMD EPYC family 0x19 model 0x11, two threads, 64 heads x 512, top-512 plus a 128-row window, bf16: one
-// query 0.57 -> 0.34 ms, 16 queries 7.7 -> 4.5 ms, a 64-token chunk 32.0 -> 17.9 ms (146-173 -> 244-300 GFLOP/s;
-// fp32 inputs 159-169; the VDPBF16PS peak measured 417-425, fp32 FMA 207). Must match sparse_attention_ref.cc within fp32 rounding (fp32 accumulation in a different
-// order, exp within a few ulp; VDPBF16PS treats bf16 subnormals as zero); the bf16 rounding points are the spec's.
-// Needs the avx512 level (AVX512F/BW/VL/DQ + AVX512-BF16).
+// AVX512 SparseAttention (sparse_attention.h), two tables. kSparseAttention: fp32 products on 16-lane vectors for fp32
+// and bf16 inputs (bf16 keys widened once per key block; the algorithm is in sparse_attention_simd.inc, this file
+// supplies the vector layer). kSparseAttentionBf16Dot: the same for fp32, and for bf16 inputs with D a multiple of 32
+// both products on VDPBF16PS (DotQkBf16 below), which takes the bf16 query, keys and probabilities as they are, two per
+// 32-bit lane; its attend_f32_bf16 takes float inputs multiplied as bf16 (the op's compute="bf16") on the same
+// products, rounding the query and each key block where it reads them. Which one a session uses is the CPU's
+// (FamilyPlan::bf16_dot): VDPBF16PS does two fp32 FMAs' work in one instruction on AMD Zen 4, but runs at half the FMA
+// rate on the Intel Xeon measured (246 against 493 GFLOP/s). AMD EPYC family 0x19 model 0x11, two threads, 64 heads x
+// 512, top-512 plus a 128-row window, bf16: one query 0.57 -> 0.34 ms, 16 queries 7.7 -> 4.5 ms, a 64-token chunk 32.0
+// -> 17.9 ms (146-173 -> 244-300 GFLOP/s; fp32 inputs 159-169; the VDPBF16PS peak measured 417-425, fp32 FMA 207). Must
+// match sparse_attention_ref.cc within fp32 rounding (fp32 accumulation in a different order, exp within a few ulp;
+// VDPBF16PS treats bf16 subnormals as zero); the bf16 rounding points are the spec's. Needs the avx512 level
+// (AVX512F/BW/VL/DQ + AVX512-BF16).
 #include "custom_ops/kernels/isa_prelude.h"
 
 #include <cstdlib>
@@ -132,7 +134,8 @@ struct DotQkBf16 {
   void End() {}
   void Prepare(const X* q_rows, int64_t count, const Geometry& g) {
     if constexpr (kRound) {
-      for (int64_t h = 0; h < count; ++h) StoreRow(q_rows + h * g.D, g.D, kc + h * g.D);  // nearest even, as numerics/bf16.h
+      // rounded to nearest even, as numerics/bf16.h
+      for (int64_t h = 0; h < count; ++h) StoreRow(q_rows + h * g.D, g.D, kc + h * g.D);
       PackQt(kc, count, g, qt);
     } else {
       PackQt(q_rows, count, g, qt);
@@ -159,7 +162,9 @@ struct DotQkBf16 {
       KeyRows(g, m, j, nb, keys);
       float* Lb = L + j * g.HGp;
       int64_t s0 = 0;
-      for (; s0 + kQkSlabs <= slabs; s0 += kQkSlabs) QkSlabsBf16<kQkSlabs, kQkKeys>(qt, g.HGp, s0, keys, nb, g.D, scale, Lb);
+      for (; s0 + kQkSlabs <= slabs; s0 += kQkSlabs) {
+        QkSlabsBf16<kQkSlabs, kQkKeys>(qt, g.HGp, s0, keys, nb, g.D, scale, Lb);
+      }
       for (; s0 < slabs; ++s0) QkSlabsBf16<1, kQkKeys1>(qt, g.HGp, s0, keys, nb, g.D, scale, Lb);
     }
   }

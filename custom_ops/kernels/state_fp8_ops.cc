@@ -198,7 +198,8 @@ void AttendBf16Products(const SparseAttentionKernels& k, const float* q, const f
                         const void* entries, bool fp8_state, const int64_t* indices, const float* sink,
                         const float* inv_freq, const int64_t* start_pos, const SparseAttentionDims& d, float scale,
                         float* o, const Parallel& par) {
-  const size_t nq = static_cast<size_t>(d.batch * d.seq * d.heads * d.dim), nkv = static_cast<size_t>(d.batch * d.seq * d.dim);
+  const size_t nq = static_cast<size_t>(d.batch * d.seq * d.heads * d.dim);
+  const size_t nkv = static_cast<size_t>(d.batch * d.seq * d.dim);
   std::vector<uint16_t> qb(nq), kvb(nkv), ob(nq);
   const size_t chunks = static_cast<size_t>(4 * (par.num_threads > 1 ? par.num_threads : 1)), piece = 4096;
   par.ForRange((nq + piece - 1) / piece, chunks, [&](size_t begin, size_t end) {

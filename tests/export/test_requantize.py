@@ -117,8 +117,8 @@ def test_bad_options_and_shapes(tmp_path):
 
 def compute_export(cache, tmp_path, compute: str):
     """The tiny preset exported with ``--compute``: the set of ``compute`` attributes per linear / expert / attention
-    op type (None where a node has none), the session's recorded mode, its logits on 24 random ids, and their relative error
-    against the reference's per position."""
+    op type (None where a node has none), the session's recorded mode, its logits on 24 random ids, and their
+    relative error against the reference's per position."""
     path = export_model(cache.checkpoint("tiny"), tmp_path / compute, logits="all", max_seq_len=256, progress=False,
                         compute=compute)
     modes = {}

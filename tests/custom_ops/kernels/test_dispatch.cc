@@ -91,8 +91,8 @@ KT_TEST(dispatch_forced_bf16_dot) {
   for (const char* value : {"on", "off"}) {
     const bool on = std::strcmp(value, "on") == 0;
     for (const char* level : {"avx2", "avx512"}) {
-      const FamilyPlan p =
-          dsv4::MakePlan(dsv4::MaxSupportedIsa(), (std::string("sparse_attention=") + level + ", bf16dot=" + value).c_str());
+      const std::string forced = std::string("sparse_attention=") + level + ", bf16dot=" + value;
+      const FamilyPlan p = dsv4::MakePlan(dsv4::MaxSupportedIsa(), forced.c_str());
       KT_CHECK(p.bf16_dot == on && p.bf16_dot_source == LevelSource::kForced);
       const dsv4::KernelTables& t = dsv4::GetKernelTables(p);
       KT_CHECK(t.bf16_dot == on && t.bf16_dot_source == LevelSource::kForced);

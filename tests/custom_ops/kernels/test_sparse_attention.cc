@@ -249,10 +249,11 @@ void TestF32Bf16(const SparseAttentionKernels& k) {
     const std::vector<float> want = Run(k, p, true, dsv4::SerialParallel());
     for (const bool serial : {true, false}) {
       std::vector<float> o(p.q.size(), -7.0f);
+      const dsv4::Parallel par = serial ? dsv4::SerialParallel() : threads.Get();
       const bool done =
           k.attend_f32_bf16(p.q.data(), p.kv.data(), p.window.data(), p.with_entries ? p.entries.data() : nullptr,
                             p.with_indices ? p.indices.data() : nullptr, p.sink.data(), p.inv_freq.data(),
-                            p.start_pos.data(), p.d, p.scale, o.data(), serial ? dsv4::SerialParallel() : threads.Get());
+                            p.start_pos.data(), p.d, p.scale, o.data(), par);
       if (!done) {
         KT_CHECK(std::all_of(o.begin(), o.end(), [](float v) { return v == -7.0f; })) << Describe(c);
         continue;
