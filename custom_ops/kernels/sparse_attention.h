@@ -56,8 +56,8 @@ using SparseAttendF32Bf16Fn = bool (*)(const float* q, const float* kv, const fl
                                        const int64_t* start_pos, const SparseAttentionDims& dims, float scale,
                                        float* o, const Parallel& par);
 
-// One table per ISA level; every slot is non-null except attend_f32_bf16 (optional: nullptr where a level has no
-// native one).
+// One table per ISA level; every slot is non-null except attend_f32_bf16 (optional: nullptr in the reference, whose
+// callers round the rows first).
 struct SparseAttentionKernels {
   SparseAttendF32Fn attend_f32;
   SparseAttendBf16Fn attend_bf16;

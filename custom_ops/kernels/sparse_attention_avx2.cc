@@ -1,6 +1,7 @@
 // AVX2 SparseAttention (sparse_attention.h): fp32 products on 8-lane vectors for fp32 and bf16 inputs (bf16 keys are
-// widened once per key block). The algorithm is in sparse_attention_simd.inc; this file supplies the vector layer.
-// Must match sparse_attention_ref.cc within fp32 rounding; the bf16 rounding points are the spec's. Needs AVX2 + FMA.
+// widened once per key block) and for fp32 inputs multiplied as bf16 (compute="bf16": query and keys rounded). The
+// algorithm is in sparse_attention_simd.inc; this file supplies the vector layer. Must match sparse_attention_ref.cc
+// within fp32 rounding; the bf16 rounding points are the spec's. Needs AVX2 + FMA.
 #include "custom_ops/kernels/isa_prelude.h"
 
 #include <cstdlib>
@@ -37,9 +38,17 @@ void AttendBf16(const uint16_t* q, const uint16_t* kv, const uint16_t* window, c
   Attend(q, kv, window, entries, indices, sink, inv_freq, start_pos, dims, scale, o, par);
 }
 
+bool AttendF32Bf16(const float* q, const float* kv, const float* window, const float* entries, const int64_t* indices,
+                   const float* sink, const float* inv_freq, const int64_t* start_pos, const SparseAttentionDims& dims,
+                   float scale, float* o, const Parallel& par) {
+  Attend<float, VecQk<float, true>, uint16_t>(q, kv, window, entries, indices, sink, inv_freq, start_pos, dims, scale,
+                                              o, par);
+  return true;
+}
+
 }  // namespace
 
-const SparseAttentionKernels kSparseAttention = {&AttendF32, &AttendBf16, &WindowWrite};
+const SparseAttentionKernels kSparseAttention = {&AttendF32, &AttendBf16, &WindowWrite, &AttendF32Bf16};
 
 }  // namespace avx2
 }  // namespace dsv4

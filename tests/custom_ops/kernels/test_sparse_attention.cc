@@ -289,7 +289,15 @@ const bool kRegistered = [] {
   RegisterTable("avx2", [] { return Table(IsaLevel::kAvx2); }, IsaLevel::kAvx2);
   RegisterTable("avx512", [] { return Table(IsaLevel::kAvx512); }, IsaLevel::kAvx512);
   RegisterTable("avx512_bf16dot", [] { return &dsv4::avx512::kSparseAttentionBf16Dot; }, IsaLevel::kAvx512);
-  // the tables with a native attend_f32_bf16 (the others leave it to the op's rounding gather)
+  // the tables with their own attend_f32_bf16 (the reference leaves it to the op's rounding gather)
+  kt::Register("sparse_attention_f32_bf16_products_avx2", [] {
+    dsv4_test::RequireIsa(IsaLevel::kAvx2);
+    TestF32Bf16(dsv4::avx2::kSparseAttention);
+  });
+  kt::Register("sparse_attention_f32_bf16_products_avx512", [] {
+    dsv4_test::RequireIsa(IsaLevel::kAvx512);
+    TestF32Bf16(dsv4::avx512::kSparseAttention);
+  });
   kt::Register("sparse_attention_f32_bf16_products_avx512_bf16dot", [] {
     dsv4_test::RequireIsa(IsaLevel::kAvx512);
     TestF32Bf16(dsv4::avx512::kSparseAttentionBf16Dot);
