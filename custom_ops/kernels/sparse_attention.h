@@ -49,15 +49,14 @@ using SparseAttendBf16Fn = void (*)(const uint16_t* q, const uint16_t* kv, const
 using WindowWriteFn = void (*)(const void* kv, const int64_t* start_pos, const SparseAttentionDims& dims,
                                size_t elem_bytes, void* window);
 // fp32 inputs and output with bf16 products (the op's compute="bf16"): exactly attend_bf16 on q, kv, window and
-// entries rounded to bf16 (round to nearest even), its output widened. Returns false, doing nothing, for dims it
-// does not take; the caller then rounds the rows itself (state_fp8_ops.h, AttendBf16Products).
-using SparseAttendF32Bf16Fn = bool (*)(const float* q, const float* kv, const float* window, const float* entries,
+// entries rounded to bf16 (round to nearest even), its output widened.
+using SparseAttendF32Bf16Fn = void (*)(const float* q, const float* kv, const float* window, const float* entries,
                                        const int64_t* indices, const float* sink, const float* inv_freq,
                                        const int64_t* start_pos, const SparseAttentionDims& dims, float scale,
                                        float* o, const Parallel& par);
 
-// One table per ISA level; every slot is non-null except attend_f32_bf16 (optional: nullptr in the reference, whose
-// callers round the rows first).
+// One table per ISA level; every slot is non-null except attend_f32_bf16 (nullptr in the reference: its callers
+// round the rows read and call attend_bf16, state_fp8_ops.h AttendBf16Products).
 struct SparseAttentionKernels {
   SparseAttendF32Fn attend_f32;
   SparseAttendBf16Fn attend_bf16;

@@ -622,12 +622,11 @@ void AttendBf16(const uint16_t* q, const uint16_t* kv, const uint16_t* window, c
                                          par);
 }
 
-bool AttendF32Bf16(const float* q, const float* kv, const float* window, const float* entries, const int64_t* indices,
+void AttendF32Bf16(const float* q, const float* kv, const float* window, const float* entries, const int64_t* indices,
                    const float* sink, const float* inv_freq, const int64_t* start_pos, const SparseAttentionDims& dims,
                    float scale, float* o, const Parallel& par) {
   Attend<float, TileQkBf16<float>, uint16_t>(q, kv, window, entries, indices, sink, inv_freq, start_pos, dims, scale,
                                              o, par);
-  return true;
 }
 
 }  // namespace

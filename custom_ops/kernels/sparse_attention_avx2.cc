@@ -38,17 +38,9 @@ void AttendBf16(const uint16_t* q, const uint16_t* kv, const uint16_t* window, c
   Attend(q, kv, window, entries, indices, sink, inv_freq, start_pos, dims, scale, o, par);
 }
 
-bool AttendF32Bf16(const float* q, const float* kv, const float* window, const float* entries, const int64_t* indices,
-                   const float* sink, const float* inv_freq, const int64_t* start_pos, const SparseAttentionDims& dims,
-                   float scale, float* o, const Parallel& par) {
-  Attend<float, VecQk<float, true>, uint16_t>(q, kv, window, entries, indices, sink, inv_freq, start_pos, dims, scale,
-                                              o, par);
-  return true;
-}
-
 }  // namespace
 
-const SparseAttentionKernels kSparseAttention = {&AttendF32, &AttendBf16, &WindowWrite, &AttendF32Bf16};
+const SparseAttentionKernels kSparseAttention = {&AttendF32, &AttendBf16, &WindowWrite, &AttendF32AsBf16};
 
 }  // namespace avx2
 }  // namespace dsv4

@@ -226,31 +226,22 @@ void AttendBf16Dot(const uint16_t* q, const uint16_t* kv, const uint16_t* window
   }
 }
 
-// compute="bf16" on fp32 inputs: the query and each key block rounded to bf16 values, fp32 products (the
-// widened path's, bit for bit) ...
-bool AttendF32Bf16(const float* q, const float* kv, const float* window, const float* entries, const int64_t* indices,
-                   const float* sink, const float* inv_freq, const int64_t* start_pos, const SparseAttentionDims& dims,
-                   float scale, float* o, const Parallel& par) {
-  Attend<float, VecQk<float, true>, uint16_t>(q, kv, window, entries, indices, sink, inv_freq, start_pos, dims, scale,
-                                              o, par);
-  return true;
-}
-
-// ... or rounded to bf16 and multiplied on VDPBF16PS (AttendBf16Dot's path, bit for bit), D a multiple of 32.
-bool AttendF32Bf16Dot(const float* q, const float* kv, const float* window, const float* entries,
+// compute="bf16" on fp32 inputs, D a multiple of 32: rounded to bf16 and multiplied on VDPBF16PS (AttendBf16Dot's
+// path, bit for bit); other D on the widened products (AttendF32AsBf16, sparse_attention_simd.inc).
+void AttendF32Bf16Dot(const float* q, const float* kv, const float* window, const float* entries,
                       const int64_t* indices, const float* sink, const float* inv_freq, const int64_t* start_pos,
                       const SparseAttentionDims& dims, float scale, float* o, const Parallel& par) {
   if (dims.dim % 32 != 0) {
-    return AttendF32Bf16(q, kv, window, entries, indices, sink, inv_freq, start_pos, dims, scale, o, par);
+    AttendF32AsBf16(q, kv, window, entries, indices, sink, inv_freq, start_pos, dims, scale, o, par);
+    return;
   }
   Attend<float, DotQkBf16<float>, uint16_t>(q, kv, window, entries, indices, sink, inv_freq, start_pos, dims, scale, o,
                                             par);
-  return true;
 }
 
 }  // namespace
 
-const SparseAttentionKernels kSparseAttention = {&AttendF32, &AttendBf16, &WindowWrite, &AttendF32Bf16};
+const SparseAttentionKernels kSparseAttention = {&AttendF32, &AttendBf16, &WindowWrite, &AttendF32AsBf16};
 const SparseAttentionKernels kSparseAttentionBf16Dot = {&AttendF32, &AttendBf16Dot, &WindowWrite, &AttendF32Bf16Dot};
 
 }  // namespace avx512

@@ -2,7 +2,6 @@
 #include "custom_ops/kernels/state_fp8_ops.h"
 
 #include <algorithm>
-#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -33,15 +32,9 @@ struct Fp8StateRows {
   template <class T>
   void Decode(int64_t r, T* dst) const { DecodeEntry(base + r * EntryBytes(dim, rope), dim, rope, dst); }
 };
-// n floats -> bf16, round to nearest even, NaN kept quiet: F32ToBf16 without its branch, so the loop vectorises.
+// dst[0, n) = bf16(src[0, n)) (numerics/bf16.h).
 void RoundToBf16(const float* src, int64_t n, uint16_t* dst) {
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, src + i, sizeof bits);
-    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-    const uint32_t quiet = (bits >> 16) | 0x0040u;
-    dst[i] = static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
-  }
+  for (int64_t i = 0; i < n; ++i) dst[i] = F32ToBf16(src[i]);
 }
 
 struct F32StateRowsAsBf16 {

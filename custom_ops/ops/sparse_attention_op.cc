@@ -98,14 +98,17 @@ class SparseAttentionKernel final : public Kernel {
     void* present = ctx.Output(1, window.numel);
     if (q.numel > 0 && bf16_products_ && q.dtype == kFloat) {
       const int64_t* idx = use_indices && d.topk > 0 ? indices.as<int64_t>() : nullptr;
-      // the level's own bf16 products on float rows where it has them, else the rows read rounded first
-      const bool native = !fp8 && k_.attend_f32_bf16 != nullptr &&
-                          k_.attend_f32_bf16(q.as<float>(), kv.as<float>(), window.as<float>(),
-                                             use_entries ? entries.as<float>() : nullptr, idx, sink.as<float>(),
-                                             inv_freq.as<float>(), sp, d, scale, static_cast<float*>(o), ctx.Par());
-      if (!native) state_fp8::AttendBf16Products(k_, q.as<float>(), kv.as<float>(), window.data,
-                                    use_entries ? entries.data : nullptr, fp8, idx, sink.as<float>(),
-                                    inv_freq.as<float>(), sp, d, scale, static_cast<float*>(o), ctx.Par());
+      // the level's own bf16 products on float rows where it has them; FP8 state, and the reference, take the rows
+      // read decoded / rounded to bf16 first
+      if (!fp8 && k_.attend_f32_bf16 != nullptr) {
+        k_.attend_f32_bf16(q.as<float>(), kv.as<float>(), window.as<float>(),
+                           use_entries ? entries.as<float>() : nullptr, idx, sink.as<float>(), inv_freq.as<float>(),
+                           sp, d, scale, static_cast<float*>(o), ctx.Par());
+      } else {
+        state_fp8::AttendBf16Products(k_, q.as<float>(), kv.as<float>(), window.data,
+                                      use_entries ? entries.data : nullptr, fp8, idx, sink.as<float>(),
+                                      inv_freq.as<float>(), sp, d, scale, static_cast<float*>(o), ctx.Par());
+      }
     } else if (q.numel > 0 && fp8) {
       const int64_t* idx = use_indices && d.topk > 0 ? indices.as<int64_t>() : nullptr;
       state_fp8::Attend(k_, q.dtype == kBFloat16, q.data, kv.data, window.as<uint8_t>(),
@@ -135,7 +138,7 @@ class SparseAttentionKernel final : public Kernel {
   const SparseAttentionKernels& k_;
   int64_t ratio_;
   float softmax_scale_;
-  const bool bf16_products_;  // compute="bf16": float inputs multiply as bf16 (state_fp8::AttendBf16Products)
+  const bool bf16_products_;  // compute="bf16": float inputs multiply as bf16 (attend_f32_bf16)
 };
 
 }  // namespace

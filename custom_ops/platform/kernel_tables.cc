@@ -102,6 +102,14 @@ KernelTables Build(const FamilyPlan& plan) {
 
 IsaLevel Lower(IsaLevel a, IsaLevel b) { return static_cast<int>(a) < static_cast<int>(b) ? a : b; }
 
+// The value of a DSV4_ORT_KERNELS switch (`name=on|off`).
+bool OnOff(const std::string& name, const std::string& value) {
+  if (value != "on" && value != "off") {
+    throw std::invalid_argument("DSV4_ORT_KERNELS: " + name + "='" + value + "' is neither on nor off");
+  }
+  return value == "on";
+}
+
 std::string Trim(const std::string& s) {
   const size_t a = s.find_first_not_of(" \t"), b = s.find_last_not_of(" \t");
   return a == std::string::npos ? std::string() : s.substr(a, b - a + 1);
@@ -182,18 +190,12 @@ FamilyPlan MakePlan(IsaLevel cap, const char* forced) {
     }
     const std::string family = Trim(entry.substr(0, eq)), level_name = Trim(entry.substr(eq + 1));
     if (family == "prefetch") {
-      if (level_name != "on" && level_name != "off") {
-        throw std::invalid_argument("DSV4_ORT_KERNELS: prefetch='" + level_name + "' is neither on nor off");
-      }
-      plan.weight_prefetch = level_name == "on";
+      plan.weight_prefetch = OnOff(family, level_name);
       plan.prefetch_source = LevelSource::kForced;
       continue;
     }
     if (family == "bf16dot") {
-      if (level_name != "on" && level_name != "off") {
-        throw std::invalid_argument("DSV4_ORT_KERNELS: bf16dot='" + level_name + "' is neither on nor off");
-      }
-      plan.bf16_dot = level_name == "on";
+      plan.bf16_dot = OnOff(family, level_name);
       plan.bf16_dot_source = LevelSource::kForced;
       continue;
     }

@@ -76,9 +76,8 @@ struct FamilyPlan {
 
 // The plan for `cap` (already clamped to MaxSupportedIsa()) on this CPU. `forced` is DSV4_ORT_KERNELS or nullptr:
 // comma-separated `family=level` entries (e.g. "linear=avx2,indexer=scalar") and optionally `prefetch=on|off` and
-// `bf16dot=on|off`; a
-// forced level above the cap is clamped to the cap (the cap stays the ceiling). Throws std::invalid_argument naming
-// a malformed entry, an unknown family or level.
+// `bf16dot=on|off`; a forced level above the cap is clamped to the cap (the cap stays the ceiling). Throws
+// std::invalid_argument naming a malformed entry, an unknown family or level.
 FamilyPlan MakePlan(IsaLevel cap, const char* forced);
 
 // The levels the CPU policy lowers under `cap` on the CPU `f` (kCap entries where it has nothing to say).

@@ -18,6 +18,7 @@ def test_info():
     r = dsv4("info")
     assert r.returncode == 0, r.stderr
     assert "onnxruntime" in r.stdout and "isa:" in r.stdout and "moe_routing" in r.stdout
+    assert "weight prefetch:" in r.stdout and "bf16 attention products:" in r.stdout
 
 
 def test_info_json_and_isa_cap():

@@ -82,31 +82,23 @@ def test_forced_family_levels():
         assert needle in str(e.value)
 
 
-def test_weight_prefetch_follows_the_cpu_and_can_be_forced():
-    """The rows path's weight prefetch: the CPU policy's choice (off on AMD family 0x19), or DSV4_ORT_KERNELS."""
-    info = library_info()
-    zen = info["cpu"]["vendor"] == "AuthenticAMD" and info["cpu"]["family"] == 0x19
-    assert info["weight_prefetch"] is (not zen)
-    assert info["weight_prefetch_source"] == ("cpu" if zen else "cap")
-    for value in ("on", "off"):
-        forced = dsv4_ort.library_info(kernels=f"prefetch={value}")
-        assert forced["weight_prefetch"] is (value == "on") and forced["weight_prefetch_source"] == "forced"
-    with pytest.raises(ValueError, match="prefetch='sometimes' is neither on nor off"):
-        dsv4_ort.library_info(kernels="prefetch=sometimes")
+# the CPU-chosen switches: DSV4_ORT_KERNELS name, library_info key, whether AMD family 0x19 turns it on
+SWITCHES = [("prefetch", "weight_prefetch", False),  # the rows path's weight prefetch: off on Zen 4
+            ("bf16dot", "bf16_dot", True)]  # bf16 SparseAttention products on VDPBF16PS: on on Zen 4
 
 
-def test_bf16_dot_follows_the_cpu_and_can_be_forced():
-    """bf16 SparseAttention products on VDPBF16PS: the CPU policy's choice (on for AMD family 0x19), or
-    DSV4_ORT_KERNELS; `dsv4-ort info` shows it."""
+@pytest.mark.parametrize("name,key,on_zen", SWITCHES)
+def test_cpu_switches_follow_the_cpu_and_can_be_forced(name, key, on_zen):
+    """Each switch is the CPU policy's choice (the default elsewhere) unless DSV4_ORT_KERNELS forces it."""
     info = library_info()
     zen = info["cpu"]["vendor"] == "AuthenticAMD" and info["cpu"]["family"] == 0x19
-    assert info["bf16_dot"] is zen
-    assert info["bf16_dot_source"] == ("cpu" if zen else "cap")
+    assert info[key] is (on_zen if zen else not on_zen)
+    assert info[f"{key}_source"] == ("cpu" if zen else "cap")
     for value in ("on", "off"):
-        forced = dsv4_ort.library_info(kernels=f"bf16dot={value}")
-        assert forced["bf16_dot"] is (value == "on") and forced["bf16_dot_source"] == "forced"
-    with pytest.raises(ValueError, match="bf16dot='2x' is neither on nor off"):
-        dsv4_ort.library_info(kernels="bf16dot=2x")
+        forced = dsv4_ort.library_info(kernels=f"{name}={value}")
+        assert forced[key] is (value == "on") and forced[f"{key}_source"] == "forced"
+    with pytest.raises(ValueError, match=f"{name}='sometimes' is neither on nor off"):
+        dsv4_ort.library_info(kernels=f"{name}=sometimes")
 
 
 def test_invalid_isa_value_lists_valid_ones():
