@@ -67,6 +67,8 @@ def check_sampling(temperature=0.0, top_k=0, top_p=1.0) -> tuple:
 
 def check_logits(logits: np.ndarray, step: int | None = None) -> None:
     """Raises ValueError if a row of ``logits`` [B, V] holds NaN or +inf or has no finite value at all."""
+    if logits.shape[-1] > 0 and np.isfinite(logits).all():  # the usual case, in one pass (a third of the time)
+        return
     where = "" if step is None else f" at step {step}"
     bad = np.isnan(logits) | (logits == np.inf)
     if bad.any():
