@@ -12,8 +12,8 @@ import pytest
 from model_fixtures import random_ids, require_library
 
 from dsv4_ort.runtime import Session
-from dsv4_ort.runtime.engine import (Detokenizer, Engine, EngineStopped, PromptTooLong, QueueFull, SamplingParams,
-                                     _held_back)
+from dsv4_ort.runtime.engine import (Detokenizer, Engine, EngineError, EngineStopped, PromptTooLong, QueueFull,
+                                     SamplingParams, _held_back)
 
 CHUNK = 16
 
@@ -162,6 +162,41 @@ def test_rows_are_reused_at_once(session):
     assert m["running"] == 0 and m["queue_depth"] == 0 and m["requests"] == {"length": 5}
     assert m["completion_tokens"] == 45 and m["prompt_tokens"] == sum(map(len, ps))
     assert m["ttft"]["count"] == 5 and m["itl"]["count"] == 40
+
+
+def test_warmup_leaves_a_new_engine(session, monkeypatch):
+    """warmup() runs a prompt chunk and a decode step over every row, then leaves the engine as new: rows free at
+    position 0, counters and histograms empty, and requests get what they get alone. It refuses to run once the
+    engine has work or its thread."""
+    eng = Engine(session, max_batch=4, prefill_chunk=CHUNK)
+    calls = []
+    forward = session.forward
+
+    def counting(ids, state, *a, **k):
+        calls.append(ids.shape)
+        return forward(ids, state, *a, **k)
+
+    monkeypatch.setattr(session, "forward", counting)
+    assert eng.warmup() > 0
+    monkeypatch.undo()
+    assert (1, CHUNK) in calls and (4, 1) in calls  # the prefill shape and a decode over all four rows
+    m = eng.metrics()
+    assert m["running"] == 0 and m["queue_depth"] == 0 and m["requests"] == {} and m["steps"] == 0
+    assert m["completion_tokens"] == 0 and m["prompt_tokens"] == 0 and m["ttft"]["count"] == m["itl"]["count"] == 0
+    np.testing.assert_array_equal(eng.state.positions, 0)
+    ps = prompts(session.vocab_size, 4, seed=12)
+    alone = [session.generate(p, 7) for p in ps]
+    assert [r["tokens"] for r in run_all(eng, [eng.submit(p, SamplingParams(max_tokens=7)) for p in ps])] == alone
+    eng.submit(ps[0], SamplingParams(max_tokens=2))
+    with pytest.raises(EngineError, match="before start"):
+        eng.warmup()
+    eng.run_until_idle()
+    eng.start()
+    try:
+        with pytest.raises(EngineError, match="before start"):
+            eng.warmup()
+    finally:
+        eng.stop()
 
 
 def test_long_prompt_prefills_in_chunks_beside_decoding(session):

@@ -272,6 +272,33 @@ def test_engine_speculative_greedy_equals_plain(fitted_mtp, k):
     assert eng.stats["steps"] < base.stats["steps"]
 
 
+def test_engine_speculative_warmup(fitted_mtp, monkeypatch):
+    """Engine.warmup with MTP runs a full cycle (num_draft drafts) over every row and leaves both pools at position
+    0: greedy requests afterwards still get plain decoding's tokens."""
+    from dsv4_ort.runtime.engine import Engine, SamplingParams
+
+    sess = session(fitted_mtp)
+    eng = Engine(sess, max_batch=3, prefill_chunk=8, speculative="mtp", num_draft=2)
+    drafts = []
+    cycle = eng.spec.cycle
+
+    def counting(view, mview, pending, catch, k, *a):
+        drafts.append((view.batch_size, k))
+        return cycle(view, mview, pending, catch, k, *a)
+
+    monkeypatch.setattr(eng.spec, "cycle", counting)
+    assert eng.warmup() > 0
+    assert (3, 2) in drafts
+    assert eng.metrics()["drafted"] == 0 and eng.metrics()["completion_tokens"] == 0
+    np.testing.assert_array_equal(eng.state.positions, 0)
+    np.testing.assert_array_equal(eng.mstate.positions, 0)
+    prompts = [random_ids(sess.vocab_size, (n,), seed=60 + n) for n in (5, 11, 17)]
+    want = [sess.generate(p, 40) for p in prompts]
+    reqs = [eng.submit(p, SamplingParams(max_tokens=40)) for p in prompts]
+    eng.run_until_idle()
+    assert [r.result(timeout=0)["tokens"] for r in reqs] == want
+
+
 def test_engine_speculative_stop_ids_and_sampling(fitted_mtp):
     """A stop id inside a cycle's accepted tokens ends the request at it; sampled requests beside greedy ones run
     to their length with their own seeds (reproducibly: the same seeds give the same tokens)."""

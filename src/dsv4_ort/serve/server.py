@@ -65,7 +65,9 @@ def run(args) -> int:
     try:
         engine = Engine(session, max_batch=args.max_batch, max_queue=args.max_queue,
                         prefill_chunk=args.prefill_chunk, speculative=speculative, num_draft=num_draft,
-                        admission_window=args.admission_window / 1e3).start()
+                        admission_window=args.admission_window / 1e3)
+        engine.warmup()  # the serving shapes once, before the URL is printed (Engine.warmup)
+        engine.start()
     except Exception:
         if hasattr(session, "close"):
             session.close()
