@@ -8,10 +8,13 @@ initializers (so onnxruntime and the kernels see them as they would in an export
 supplied through ``SessionOptions.add_external_initializers`` straight from the pool's memory. State tensors are
 graph inputs bound with IOBinding to the same buffer as the matching output, as the runtime binds them.
 
-Pool contents are valid in every format the ops read: the pool is a tiling of random bfloat16 values (normal
-numbers around N(0, 0.5)), so a float32 view holds normal numbers too, an FP8 E4M3 view holds no NaN code (0x7F /
-0xFF bytes are replaced) and any byte is a valid packed FP4 pair. E8M0 scales come from a separate small pool of
-exponents 120..127.
+Pool contents are valid in every format the ops read: the pool is made of random bfloat16 values (normal numbers
+around N(0, 0.5)), so a float32 view holds normal numbers too, an FP8 E4M3 view holds no NaN code (0x7F / 0xFF bytes
+are replaced) and any byte is a valid packed FP4 pair. E8M0 scales come from a separate small pool of exponents
+120..127. The pool never repeats itself at any offset a view can start at: each 8 MiB tile is the base tile rotated by
+its own amount. Views of a plainly repeated tile had equal contents whenever their size divided the period, and
+onnxruntime gives identical constant weights one copy (its MatMul, 4096 x 1024 float32, 64 nodes at M = 1: 156 us
+per node from those views, as from the LLC, against 822 us from distinct ones, AMD EPYC, 2 threads).
 """
 
 from __future__ import annotations
@@ -52,9 +55,12 @@ class DataPool:
         self.buf = np.empty(size + 64, np.uint8)
         off = (-self.buf.ctypes.data) % 64
         self.data = self.buf[off:off + size]
-        for start in range(0, size, tile.size):
+        # tile t rotated by an even (bf16-aligned) amount of its own, not a multiple of any power of two above 2:
+        # no two tiles, and no two views at different offsets, hold the same bytes
+        for t, start in enumerate(range(0, size, tile.size)):
             n = min(tile.size, size - start)
-            self.data[start:start + n] = tile[:n]
+            shift = (2 * (t * 40503 + 1)) % tile.size
+            self.data[start:start + n] = np.roll(tile, shift)[:n]
         self.size = size
         self.cursor = 0
         ssize = max(ALIGN, int(scale_size or size // 16))
