@@ -1,6 +1,6 @@
-"""dsv4_ort.bench.ortgraph: the data pool serves views that never repeat one another (onnxruntime keeps one copy of
-identical constant weights, so repeated contents would be timed from the cache) and that are valid in every format
-the ops read."""
+"""dsv4_ort.bench.ortgraph: the data pool serves views that never repeat one another (onnxruntime's MatMul gives
+identical weights one pre-packed copy, so repeated contents would be timed from the cache) and that are valid in every
+format the ops read."""
 
 from __future__ import annotations
 
