@@ -56,8 +56,8 @@ class DataPool:
         self.buf = np.empty(size + 64, np.uint8)
         off = (-self.buf.ctypes.data) % 64
         self.data = self.buf[off:off + size]
-        # tile t rotated by an even (bf16-aligned) amount of its own, not a multiple of any power of two above 2:
-        # no two tiles, and no two views at different offsets, hold the same bytes
+        # tile t rotated by 2 (40503 t + 1) bytes mod the tile size: even (bf16 values stay whole) and different for
+        # every tile (40503 is odd), so no two tiles, and no two views at different offsets, hold the same bytes
         for t, start in enumerate(range(0, size, tile.size)):
             n = min(tile.size, size - start)
             shift = (2 * (t * 40503 + 1)) % tile.size

@@ -298,6 +298,9 @@ class Engine:
         self._prefilling: list = []  # FIFO of requests prefilling on their own rows
         self._stopping: str | None = None
         self._thread: threading.Thread | None = None
+        self._reset_stats()
+
+    def _reset_stats(self) -> None:
         self.stats = {"requests": {}, "prompt_tokens": 0, "completion_tokens": 0, "steps": 0, "decode_rows": 0,
                       "drafted": 0, "accepted": 0}
         self.ttft = Histogram(_LATENCY_BOUNDS)
@@ -345,9 +348,9 @@ class Engine:
         ``max_batch`` rows (a full speculative cycle with MTP). The first calls at a new shape pay for growing
         onnxruntime's arena and the kernels' scratch (fresh pages from the system); without this the first
         requests' steps do (bench preset, 16 rows, AMD EPYC: the first decode step of a fresh process took 1.10x
-        the later ones' median on average, 0.99x after a warmup). Call it before :meth:`start`, with nothing submitted; the rows are left free with their positions at 0
-        (stale contents are never read), and the counters and latency histograms are reset, so /metrics counts
-        requests only."""
+        the later ones' median on average, 0.99x after a warmup). Call it before :meth:`start`, with nothing
+        submitted; the rows are left free with their positions at 0 (stale contents are never read), and the
+        counters and latency histograms are reset, so /metrics counts requests only."""
         if self._thread is not None or self.has_work():
             raise EngineError("warmup() runs before start() and before any request")
         t0 = time.perf_counter()
@@ -364,10 +367,7 @@ class Engine:
         if self.mstate is not None:
             self.mstate.positions[:] = 0
         with self._lock:
-            self.stats = {"requests": {}, "prompt_tokens": 0, "completion_tokens": 0, "steps": 0, "decode_rows": 0,
-                          "drafted": 0, "accepted": 0}
-            self.ttft = Histogram(_LATENCY_BOUNDS)
-            self.itl = Histogram(_LATENCY_BOUNDS)
+            self._reset_stats()
         return time.perf_counter() - t0
 
     # ---- the engine thread ---------------------------------------------------------------------------------------
