@@ -13,7 +13,7 @@ around N(0, 0.5)), so a float32 view holds normal numbers too, an FP8 E4M3 view 
 are replaced) and any byte is a valid packed FP4 pair. E8M0 scales come from a separate small pool of exponents
 120..127. The pool never repeats itself at any offset a view can start at: each 8 MiB tile is the base tile rotated by
 its own amount. Views of a plainly repeated tile had equal contents whenever their size divided the period, and
-onnxruntime's MatMul pre-packs its weight and gave identical weights one pre-packed copy (4096 x 1024 float32, 64
+onnxruntime's MatMul pre-packs its weight and gave identical weights one pre-packed copy (4096 x 1024 float32, 50
 nodes at M = 1: 156 us per node from those views, as from the LLC, against 822 us from distinct ones, AMD EPYC, 2
 threads).
 """
