@@ -345,10 +345,10 @@ class Engine:
     def warmup(self) -> float:
         """Runs the shapes of serving once before the first request and returns the seconds it took: a prompt of
         ``prefill_chunk`` tokens on one row and one-token prompts on the others, then decode steps over all
-        ``max_batch`` rows (a full speculative cycle with MTP). The first calls at a new shape pay for growing
-        onnxruntime's arena and the kernels' scratch (fresh pages from the system); without this the first
-        requests' steps do (bench preset, 16 rows, AMD EPYC: the first decode step of a fresh process took 1.10x
-        the later ones' median on average, 0.99x after a warmup). Call it before :meth:`start`, with nothing
+        ``max_batch`` rows (a full speculative cycle with MTP). The first call of a process at a new shape runs slower
+        than the later ones (its buffers are allocated and first touched then; the effect was measured, its parts
+        were not separated): bench preset, 16 rows, AMD EPYC, the first decode step of a fresh process took 1.10x
+        the later ones' median on average, 0.99x after a warmup. Call it before :meth:`start`, with nothing
         submitted; the rows are left free with their positions at 0 (stale contents are never read), and the
         counters and latency histograms are reset, so /metrics counts requests only."""
         if self._thread is not None or self.has_work():
@@ -357,7 +357,7 @@ class Engine:
         tokens = (self.num_draft if self.spec is not None else 0) + 2
         n = min(self.prefill_chunk, self.capacity - tokens - 1)
         if n >= 1:
-            params = SamplingParams(max_tokens=tokens, temperature=0.0, stop_ids=())
+            params = SamplingParams(max_tokens=tokens)  # greedy, no stop ids: every request runs its length
             reqs = [self.submit(np.zeros(n if i == 0 else 1, np.int64), params) for i in range(self.max_batch)]
             self.run_until_idle()
             failed = [r.error for r in reqs if r.finish_reason == "error"]
