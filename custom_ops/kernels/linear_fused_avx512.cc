@@ -25,6 +25,14 @@ namespace {
 constexpr int64_t kPrefetchFp4 = 2048;
 constexpr int64_t kPrefetchFp8 = 2048;
 
+// The quad route (DotFp8Quads), where the plan leaves rows to the hardware prefetchers (AMD Zen 4), prefetches
+// 8 KiB ahead into L2 instead (T1). One core streaming FP8 rows from DRAM through the quad route's decode
+// (standalone, 512 MiB): no prefetch 17.7-17.8 GB/s, T0 1-16 KiB ahead 8.7-11.5 (worse than none), T1 4 / 8 / 16
+// KiB 15.6-17.2 / 20.0-22.7 / 21.1-22.7, against 26-27 GB/s for a plain read; a single core's loads alone keep too
+// few lines in flight for this loop's rate. On the plan that prefetches (an Intel Xeon) the decode loops keep
+// kPrefetchFp8 into L1.
+constexpr int64_t kPrefetchQuadsFar = 8192;
+
 // What those loops prefetch: `ahead` bytes past offset `at` of a row of `row_bytes` bytes, where the loop reads four
 // consecutive rows side by side. Past the row's end that is the same offset in the row four rows on (the row the
 // next group reads; the next row is already being read). Prefetches do not fault, so the address may lie past the
@@ -107,14 +115,23 @@ __m512i Fp8ToF16Bits(__m256i codes) {
                           _mm512_set1_epi16(static_cast<short>(0xBFFF)));
 }
 
-// 2 x 16 E4M3 codes -> code * 2^-120 as fp32 (exact: the sign-extended code shifted left by 20 puts exponent and
-// mantissa at fp32's bits 26..20 and the sign at 31 once bits 30..27 are cleared; E4M3 subnormals land on fp32
-// subnormals). Three integer operations per 16 codes and no conversion; the activations carry the other 2^112 (see
-// ScaledActivations), so each product equals the fp16 route's (code * 2^-8) * x exactly. NaN codes come out finite.
-void Fp8ToF32Scaled(__m128i c0, __m128i c1, __m512* lo, __m512* hi) {
+// 64 E4M3 codes as 16 dwords of four -> four vectors of code * 2^-120 as fp32, v[j] lane l holding code 4l + j
+// (the quad route: DotFp8Quads). Exact: exponent and mantissa land at fp32's bits 26..20 and the sign at 31 once
+// bits 30..27 are cleared; E4M3 subnormals land on fp32 subnormals. Word-wise arithmetic shifts by 4 place each
+// word's high code there in its own word (t: codes 4l + 3 and 4l + 1, u: after a word shift by 8, 4l + 2 and 4l),
+// a dword shift by 16 moves the low words up, and one AND per vector keeps the code's bits: nine operations per 64
+// codes, none crossing 128-bit lanes. The sign-extension route this replaced (VPMOVSXBD per 16 codes, then a shift
+// and an AND) and the fp16 route (VPMOVSXBW, VCVTPH2PS) cross lanes, which on AMD Zen 4 limits them to about half
+// the rate: one core, codes in L1, four accumulators, TSC cycles per 64 codes 14.0-15.1 (sign extension), 9.9-10.6
+// (fp16), 5.9-6.2 (this). NaN codes come out finite; the activations carry the other 2^112 (QuadActivations).
+inline __attribute__((always_inline)) void Fp8QuadsToF32Scaled(__m512i d, __m512* v0, __m512* v1, __m512* v2,
+                                                                __m512* v3) {
   const __m512i keep = _mm512_set1_epi32(static_cast<int>(0x87F00000u));
-  *lo = _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(_mm512_cvtepi8_epi32(c0), 20), keep));
-  *hi = _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(_mm512_cvtepi8_epi32(c1), 20), keep));
+  const __m512i t = _mm512_srai_epi16(d, 4), u = _mm512_srai_epi16(_mm512_slli_epi16(d, 8), 4);
+  *v0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(u, 16), keep));
+  *v1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(t, 16), keep));
+  *v2 = _mm512_castsi512_ps(_mm512_and_si512(u, keep));
+  *v3 = _mm512_castsi512_ps(_mm512_and_si512(t, keep));
 }
 
 // 32 E4M3 codes -> their exact values as bf16 (no 2^-8 factor: bf16 has the exponent range): the sign-extended
@@ -180,8 +197,8 @@ bool Fp8RowHasNan(const uint8_t* row, int64_t cols) {
 }
 
 // R FP8 rows (scale blocks are multiples of 32 columns: the loop runs over blocks, then 32-column chunks).
-// Codes become fp16 bits of code * 2^-8 (Fp8ToF16Bits) and fp32 by VCVTPH2PS, or with kScaledX (folded fp32
-// products, x given times 2^112) code * 2^-120 by integer operations (Fp8ToF32Scaled): the same products. Then either
+// Codes become fp16 bits of code * 2^-8 (Fp8ToF16Bits) and fp32 by VCVTPH2PS (folded fp32 products where the
+// activations allow take the quad route instead: DotFp8Quads). Then either
 //   kFold   the block's products are accumulated unscaled and the block sum is scaled once into the total
 //           (with kScaledBf16, bf16 products of ScaledBf16 weights: no block sums, the codes carry the scale in
 //           their exponent, Fp8Bf16Block, and the products go straight into the total):
@@ -196,9 +213,8 @@ bool Fp8RowHasNan(const uint8_t* row, int64_t cols) {
 // outputs NaN (every product with a NaN weight is NaN), which the end of the row applies.
 // NQ weight rows side by side (4, or 1 for one row at a time: see DotFp8Rows); results go to res[i][q0 + q]. Each
 // accumulator's operation sequence does not depend on NQ, so neither do the results.
-template <int MR, int NQ, bool kBf16Act, bool kFold, bool kFinite, bool kScaledX = false, bool kScaledBf16 = false>
+template <int MR, int NQ, bool kBf16Act, bool kFold, bool kFinite, bool kScaledBf16 = false>
 void DotFp8(const WeightView& w, const int64_t* rows, const void* xv, int64_t xs, float res[][4], int q0) {
-  static_assert(!kScaledX || (kFold && !kBf16Act), "scaled activations: folded fp32 products only");
   static_assert(!kScaledBf16 || (kFold && kBf16Act), "scaled decoding: the direct bf16 route only");
   const int64_t kw = w.cols, scale_cols = (kw + w.block - 1) / w.block;
   const bool e8m0 = w.scale_format == ScaleFormat::kE8M0;
@@ -261,10 +277,6 @@ void DotFp8(const WeightView& w, const int64_t* rows, const void* xv, int64_t xs
           direct[q] = AsBh(Fp8ToBf16(codes));
           continue;
         }
-        if constexpr (kScaledX) {
-          Fp8ToF32Scaled(_mm256_castsi256_si128(codes), _mm256_extracti128_si256(codes, 1), &lo[q], &hi[q]);
-          continue;
-        }
         const __m512i h = Fp8ToF16Bits(codes);
         lo[q] = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
         hi[q] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
@@ -323,12 +335,126 @@ void DotFp8(const WeightView& w, const int64_t* rows, const void* xv, int64_t xs
   }
 }
 
-template <int MR, int NQ, bool kBf16Act, bool kFold, bool kScaledX = false, bool kScaledBf16 = false>
+template <int MR, int NQ, bool kBf16Act, bool kFold, bool kScaledBf16 = false>
 void DotFp8Finite(const WeightView& w, const int64_t* rows, const void* x, int64_t xs, float res[][4], int q0) {
   if (w.fp8_finite) {
-    DotFp8<MR, NQ, kBf16Act, kFold, true, kScaledX, kScaledBf16>(w, rows, x, xs, res, q0);
+    DotFp8<MR, NQ, kBf16Act, kFold, true, kScaledBf16>(w, rows, x, xs, res, q0);
   } else {
-    DotFp8<MR, NQ, kBf16Act, kFold, false, kScaledX, kScaledBf16>(w, rows, x, xs, res, q0);
+    DotFp8<MR, NQ, kBf16Act, kFold, false, kScaledBf16>(w, rows, x, xs, res, q0);
+  }
+}
+
+// 64 bytes as two 256-bit loads. On AMD Zen 4 a loop streaming weights from DRAM through one 512-bit load per 64
+// bytes ran at 9.6-11.6 GB/s on one core where the same loop with two 256-bit loads ran at 17.1-19.1 (one core,
+// 512 MiB of FP8 rows of 2048 bytes, the quad route's decode, standalone; in L1 / L3 both run alike).
+inline __attribute__((always_inline)) __m512i Load64Halves(const uint8_t* p) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)), 1);
+}
+
+// The quad route of folded fp32 products: NQ FP8 rows (scale blocks multiples of 64 columns: QuadRoute) against MR
+// activation rows given by QuadActivations (each 64-column chunk reordered to the lanes of Fp8QuadsToF32Scaled, times
+// 2^112, rows Pad64(cols) apart). Per activation row, weight row and scale block, two chains: pa sums the products of
+// codes 4l and 4l + 2 of every chunk, pb those of 4l + 1 and 4l + 3 (in that order: two independent FMA chains per
+// weight row); the block sum pa + pb is scaled into the total as DotFp8's fold does (E8M0:
+// VSCALEFPS by e - 127 + 8; fp32 scales: times 2^8, times the scale). The sequence does not depend on NQ or MR.
+// NaN codes make the row's outputs NaN, as in DotFp8.
+template <int MR, int NQ, bool kFinite>
+void DotFp8Quads(const WeightView& w, const int64_t* rows, const float* x, int64_t xs, float res[][4], int q0) {
+  const int64_t kw = w.cols, scale_cols = (kw + w.block - 1) / w.block;
+  const bool e8m0 = w.scale_format == ScaleFormat::kE8M0;
+  const uint8_t* src[4];
+  int64_t scale_row[4];
+  const int64_t rb0 = rows[0] / w.block;  // as in DotFp8
+  for (int q = 0; q < NQ; ++q) {
+    src[q] = static_cast<const uint8_t*>(w.data) + rows[q] * kw;
+    scale_row[q] = (rows[q] - rb0 * w.block < w.block ? rb0 : rb0 + 1) * scale_cols;
+  }
+  __m512 acc[MR][4];
+  DSV4_UNROLL for (int i = 0; i < MR; ++i)
+    DSV4_UNROLL for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_setzero_ps();
+  __m512i nan_seen = _mm512_setzero_si512();
+  const __m512 e8 = _mm512_set1_ps(8.0f);
+  const bool far = !w.prefetch;  // the plan's prefetch off (AMD Zen 4): far into L2, see kPrefetchQuadsFar
+  for (int64_t b = 0; b < scale_cols; ++b) {
+    __m512 sv[4];
+    DSV4_UNROLL for (int q = 0; q < NQ; ++q) {
+      sv[q] = e8m0 ? _mm512_set1_ps(kScalefExponent.e[static_cast<const uint8_t*>(w.scale)[scale_row[q] + b]])
+                   : _mm512_set1_ps(static_cast<const float*>(w.scale)[scale_row[q] + b]);
+    }
+    __m512 pa[MR][4], pb[MR][4];
+    DSV4_UNROLL for (int i = 0; i < MR; ++i) {
+      DSV4_UNROLL for (int q = 0; q < NQ; ++q) {
+        pa[i][q] = _mm512_setzero_ps();
+        pb[i][q] = _mm512_setzero_ps();
+      }
+    }
+    const int64_t k1 = (b + 1) * w.block < kw ? (b + 1) * w.block : kw;
+    for (int64_t k = b * w.block; k < k1; k += 64) {
+      const int64_t valid = k1 - k;  // 1..64 codes of this chunk (the row may end inside it)
+      // the chunk's activations in registers for every weight row (as FMA memory operands each row would load
+      // them again: a 512-bit load takes both of Zen 4's load pipes for a cycle)
+      __m512 xr[MR][4];
+      DSV4_UNROLL for (int i = 0; i < MR; ++i)
+        DSV4_UNROLL for (int j = 0; j < 4; ++j) xr[i][j] = _mm512_loadu_ps(x + i * xs + k + 16 * j);
+      DSV4_UNROLL for (int q = 0; q < NQ; ++q) {
+        if (far) {
+          _mm_prefetch(PrefetchTarget(src[q], k, kw, kPrefetchQuadsFar, NQ), _MM_HINT_T1);
+        } else {
+          _mm_prefetch(PrefetchTarget(src[q], k, kw, kPrefetchFp8, NQ), _MM_HINT_T0);
+        }
+        const __m512i codes = valid >= 64 ? Load64Halves(src[q] + k)
+                                          : _mm512_maskz_loadu_epi8((1ull << valid) - 1, src[q] + k);
+        if constexpr (!kFinite) nan_seen = _mm512_max_epu8(nan_seen, _mm512_add_epi8(codes, codes));
+        __m512 v0, v1, v2, v3;
+        Fp8QuadsToF32Scaled(codes, &v0, &v1, &v2, &v3);
+        DSV4_UNROLL for (int i = 0; i < MR; ++i) {
+          pa[i][q] = _mm512_fmadd_ps(v0, xr[i][0], pa[i][q]);
+          pb[i][q] = _mm512_fmadd_ps(v1, xr[i][1], pb[i][q]);
+          pa[i][q] = _mm512_fmadd_ps(v2, xr[i][2], pa[i][q]);
+          pb[i][q] = _mm512_fmadd_ps(v3, xr[i][3], pb[i][q]);
+        }
+      }
+    }
+    DSV4_UNROLL for (int i = 0; i < MR; ++i) {
+      DSV4_UNROLL for (int q = 0; q < NQ; ++q) {
+        const __m512 blk = _mm512_add_ps(pa[i][q], pb[i][q]);
+        acc[i][q] = e8m0 ? _mm512_add_ps(acc[i][q], _mm512_scalef_ps(blk, sv[q]))
+                         : _mm512_fmadd_ps(_mm512_scalef_ps(blk, e8), sv[q], acc[i][q]);
+      }
+    }
+  }
+  StoreSums<MR, NQ>(acc, res, q0);
+  if constexpr (!kFinite) {
+    if (_mm512_cmpeq_epi8_mask(nan_seen, _mm512_set1_epi8(static_cast<char>(0xFE))) != 0) {
+      for (int q = 0; q < NQ; ++q) {
+        if (!Fp8RowHasNan(src[q], kw)) continue;
+        for (int i = 0; i < MR; ++i) res[i][q0 + q] = __builtin_nanf("");
+      }
+    }
+  }
+}
+
+// Weights the quad route can read: FP8 with scale blocks of whole 64-column chunks (the released checkpoints' 128).
+bool QuadRoute(const WeightView& w) {
+  return w.format == WeightFormat::kFp8E4M3 && w.block > 0 && w.block % 64 == 0;
+}
+
+int64_t Pad64(int64_t c) { return (c + 63) / 64 * 64; }
+
+// Four FP8 rows against one or two activation rows on the quad route, side by side: four weight rows against one
+// activation row, two against two (the registers hold 2 x 2 x 2 block sums, four totals and the chunk's eight
+// activation vectors). Reading one weight row at a time, as the fp16 route does for short rows on AMD Zen 4,
+// measured slower here once the rows side by side prefetch far ahead (kPrefetchQuadsFar).
+template <int MR>
+void DotFp8QuadGroups(const WeightView& w, const int64_t* rows, const float* x, int64_t xs, float res[][4]) {
+  constexpr int NQ = MR == 1 ? 4 : 2;
+  for (int q = 0; q < 4; q += NQ) {
+    if (w.fp8_finite) {
+      DotFp8Quads<MR, NQ, true>(w, rows + q, x, xs, res, q);
+    } else {
+      DotFp8Quads<MR, NQ, false>(w, rows + q, x, xs, res, q);
+    }
   }
 }
 
@@ -363,12 +489,11 @@ bool ScaledBf16(ActType act, const WeightView& w) {
 // stream pushes the activations out of L1 and each 32 codes wait on an L2 read.
 constexpr int64_t kFp8OneRowXBytes = 8192;
 
-// One or two fp32 activation rows (mr) against FP8 rows that fold, read one weight row at a time (DotFp8Rows below)
-// on the integer route when the activations allow (RowsFused; one row also without it): where the plan leaves rows
-// to the hardware prefetchers and the mr rows fit kFp8OneRowXBytes (K <= 2048 for one row, K <= 1024 for two).
-bool Fp32OneRow(const WeightView& w, int64_t mr) {
-  return FoldsFp8(ActType::kF32, w) && !w.prefetch &&
-         mr * w.cols * static_cast<int64_t>(sizeof(float)) <= kFp8OneRowXBytes;
+// One fp32 activation row against FP8 rows that fold but cannot take the quad route (activations out of its range,
+// MXCSR.DAZ set, scale blocks not of whole 64-column chunks): read one weight row at a time on the fp16 route where
+// the plan leaves rows to the hardware prefetchers and the row fits kFp8OneRowXBytes (K <= 2048).
+bool Fp32OneRow(const WeightView& w) {
+  return FoldsFp8(ActType::kF32, w) && !w.prefetch && w.cols * static_cast<int64_t>(sizeof(float)) <= kFp8OneRowXBytes;
 }
 
 // Four FP8 rows against MR activation rows. How the weight rows are walked does not change any accumulator's
@@ -386,36 +511,34 @@ bool Fp32OneRow(const WeightView& w, int64_t mr) {
 //       time there was slower again (bench-preset wq_b 8192 x 512, M = 4: 1460 us against 1020).
 //   fp32 products: folded for up to two activation rows, where the block and total accumulators fit the registers;
 //     three or four scale each chunk instead, which sums in another order: batch invariance (RowsFused) keeps fp32
-//     activations to groups of two. One activation row reads the weight rows one at a time where the plan leaves
-//     them to the hardware prefetchers and the row fits kFp8OneRowXBytes (K <= 2048), else four side by side.
-//     AMD EPYC family 0x19 model 0x11, two cores, weights from DRAM, two builds interleaved in one process, one row
-//     at a time against side by side: bench-preset wq_b 32768 x 512 768 / 908 us, 2048 x 2048 176 / 209, 512 x
-//     2048 63 / 71; 2048 x 4096 (16 KiB of activations) 492 / 368, and two activation rows (wq_b) 1049 / 908: those
-//     stay side by side. There the codes take the integer route (Fp8ToF32Scaled, activations times 2^112 from
-//     ScaledActivations) instead of the fp16 route, which is decode-bound on Zen 4 (about 14 GB/s of codes per core:
-//     VCVTPH2PS); same products, bit-identical. Same machine, same method, integer / fp16 route: wq_b 32768 x 512
-//     611 / 698 us, 2048 x 2048 158-159 / 173-185, 512 x 2048 54 / 61; side by side (2048 x 4096, two rows) it
-//     measured equal and is not used. Two activation rows (a pair under batch invariance, an MTP verify of two
-//     tokens) read one weight row at a time on the integer route as well while both fit kFp8OneRowXBytes (K <=
-//     1024), against four side by side on the fp16 route: wq_b 32768 x 512 881 / 1021 us, 8192 x 1024 405-410 /
-//     486-501; at K = 2048 (16 KiB of activations) it was 7-9% slower and stays side by side.
+//     activations to groups of two. Activation rows that QuadActivations accepts take the quad route
+//     (DotFp8QuadGroups), the others the fp16 route (one weight row at a time where Fp32OneRow, else four side by
+//     side); RowsFused decides per activation row, so a row takes the same route alone and in a batch.
+//     The quad route against the routes it replaced (the fp16 route side by side, and the sign-extension integer
+//     route reading one weight row at a time for one or two rows at K <= 2048 / 1024), AMD EPYC family 0x19 model
+//     0x11, two cores, weights from DRAM, both builds in one process alternating, median of 14 rounds, us: M = 1
+//     Flash wq_a 1024 x 4096 247 -> 181, wo_b 4096 x 8192 1476 -> 1195, wq_b 8192 x 1024 372 -> 332; bench preset
+//     32768 x 512 860 -> 779, 2048 x 4096 437 -> 337, 2048 x 2048 209 -> 192, 512 x 2048 76 -> 72, 8192 x 512 237
+//     -> 209; M = 2: 1024 x 4096 264 -> 214, 32768 x 512 831 -> 764, 2048 x 2048 239 -> 176. With the weights in L3
+//     (1024 x 4096, M = 1) 191 -> 145-149. The quad decode without the far prefetch was no faster from DRAM than
+//     the routes it replaced (x0.96-1.15): from DRAM those loops wait on memory, not on the decode.
 //   FP4 rows (linear rows, 16 bytes per product) keep four side by side too: one accumulator chain per row is
 //     latency-bound there, and two rows at a time measured slower (bench-preset expert shapes 1024 x 2048 and 2048 x
 //     1024, one fp32 row: 84 / 79 us four side by side against 123 / 127 two).
 template <int MR, bool kBf16Act, bool kScaledBf16 = false>
 void DotFp8Bf16Groups(const WeightView& w, const int64_t* rows, const void* x, int64_t xs, float res[][4]) {
   if (MR <= 2 && !w.prefetch && MR * w.cols * static_cast<int64_t>(sizeof(uint16_t)) <= kFp8OneRowXBytes) {
-    for (int q = 0; q < 4; ++q) DotFp8Finite<MR, 1, kBf16Act, true, false, kScaledBf16>(w, rows + q, x, xs, res, q);
+    for (int q = 0; q < 4; ++q) DotFp8Finite<MR, 1, kBf16Act, true, kScaledBf16>(w, rows + q, x, xs, res, q);
   } else if (MR <= 2) {
-    DotFp8Finite<MR, 4, kBf16Act, true, false, kScaledBf16>(w, rows, x, xs, res, 0);
+    DotFp8Finite<MR, 4, kBf16Act, true, kScaledBf16>(w, rows, x, xs, res, 0);
   } else {
-    for (int q = 0; q < 4; q += 2) DotFp8Finite<MR, 2, kBf16Act, true, false, kScaledBf16>(w, rows + q, x, xs, res, q);
+    for (int q = 0; q < 4; q += 2) DotFp8Finite<MR, 2, kBf16Act, true, kScaledBf16>(w, rows + q, x, xs, res, q);
   }
 }
 
 template <int MR, bool kBf16Act>
 void DotFp8Rows(const WeightView& w, const int64_t* rows, const void* x, int64_t xs, float res[][4], bool fold,
-                const float* x_scaled, bool scaled) {
+                const float* x_quad, bool scaled) {
   const ActType act = kBf16Act ? ActType::kBf16 : ActType::kF32;
   if (kBf16Act && fold && FoldsAllRows(act, w)) {
     if (scaled) {
@@ -423,14 +546,10 @@ void DotFp8Rows(const WeightView& w, const int64_t* rows, const void* x, int64_t
     } else {
       DotFp8Bf16Groups<MR, kBf16Act>(w, rows, x, xs, res);
     }
-  } else if (!kBf16Act && MR <= 2 && fold && Fp32OneRow(w, MR) && (MR == 1 || x_scaled != nullptr)) {
-    if constexpr (!kBf16Act && MR <= 2) {
-      if (x_scaled != nullptr) {  // the integer route (Fp8ToF32Scaled)
-        for (int q = 0; q < 4; ++q) DotFp8Finite<MR, 1, false, true, true>(w, rows + q, x_scaled, xs, res, q);
-      } else {
-        for (int q = 0; q < 4; ++q) DotFp8Finite<MR, 1, false, true>(w, rows + q, x, xs, res, q);
-      }
-    }
+  } else if (!kBf16Act && MR <= 2 && fold && x_quad != nullptr) {
+    if constexpr (!kBf16Act && MR <= 2) DotFp8QuadGroups<MR>(w, rows, x_quad, Pad64(w.cols), res);
+  } else if (!kBf16Act && MR == 1 && fold && Fp32OneRow(w)) {
+    for (int q = 0; q < 4; ++q) DotFp8Finite<MR, 1, false, true>(w, rows + q, x, xs, res, q);
   } else if (MR <= 2 && fold && FoldsFp8(act, w)) {
     DotFp8Finite<MR, 4, kBf16Act, MR <= 2>(w, rows, x, xs, res, 0);
   } else {
@@ -527,7 +646,7 @@ void DotDecodedGroup(const uint16_t* const* dec, const uint8_t* const* scale, co
 // fold: whether the group may take the folded FP8 loop (off: every group sums as the scratch path).
 template <int MR>
 void DotFused(ActType act, const WeightView& w, const int64_t* rows, const void* x, int64_t xs, float res[][4],
-              bool fold, const float* x_scaled, bool scaled) {
+              bool fold, const float* x_quad, bool scaled) {
   if (w.format == WeightFormat::kFp4E2M1) {
     Fp4Rows src;
     src.row_bytes = w.cols / 2;
@@ -543,21 +662,32 @@ void DotFused(ActType act, const WeightView& w, const int64_t* rows, const void*
   } else if (act == ActType::kBf16) {
     DotFp8Rows<MR, true>(w, rows, x, xs, res, fold, nullptr, scaled);
   } else {
-    DotFp8Rows<MR, false>(w, rows, x, xs, res, fold, x_scaled, false);
+    DotFp8Rows<MR, false>(w, rows, x, xs, res, fold, x_quad, false);
   }
 }
 
-// x * 2^112 into out (n floats, a multiple of 16) when that is exact for the integer route: every |x| < 2^15 (so
-// nothing overflows; NaN and infinity fail the test) and subnormal inputs are not flushed (MXCSR.DAZ clear: the
-// route's E4M3 subnormals are fp32 subnormals). False leaves the fp16 route to the caller.
-bool ScaledActivations(const float* x, int64_t n, float* out) {
-  if ((_mm_getcsr() & 0x40) != 0) return false;
+// One fp32 activation row (kp floats, zero past the weight's columns) for the quad route: out[c * 64 + 16 j + l] =
+// x[c * 64 + 4 l + j] * 2^112 for every 64-column chunk c (the lane order of Fp8QuadsToF32Scaled), Pad64(kp) floats,
+// zero past kp. True when that is exact: every |x| < 2^15 (nothing overflows; NaN and infinity fail the test). The
+// caller also requires MXCSR.DAZ clear (the route's E4M3 subnormals are fp32 subnormals); false leaves the row to
+// the fp16 route. The same products as the fp16 route's (code * 2^-8) * x, summed in another order (DotFp8Quads).
+bool QuadActivations(const float* x, int64_t kp, float* out) {
   const __m512 limit = _mm512_set1_ps(32768.0f), up = _mm512_set1_ps(0x1p112f);
+  // lanes 0..7 take x[4 l + j] from the chunk's first 32 floats, lanes 8..15 x[4 (l - 8) + j] from the last 32
+  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
   __mmask16 bad = 0;
-  for (int64_t k = 0; k < n; k += 16) {
-    const __m512 v = _mm512_loadu_ps(x + k);
-    bad |= _mm512_cmp_ps_mask(_mm512_abs_ps(v), limit, _CMP_NLT_UQ);
-    _mm512_store_ps(out + k, _mm512_mul_ps(v, up));
+  for (int64_t c = 0; c < kp; c += 64) {
+    __m512 a[4];
+    for (int n = 0; n < 4; ++n) {
+      const int64_t valid = kp - c - 16 * n;
+      a[n] = _mm512_maskz_loadu_ps(TailMask(valid > 0 ? valid : 0), x + c + 16 * n);
+      bad |= _mm512_cmp_ps_mask(_mm512_abs_ps(a[n]), limit, _CMP_NLT_UQ);
+    }
+    for (int j = 0; j < 4; ++j) {
+      const __m512i ij = _mm512_add_epi32(idx, _mm512_set1_epi32(j));
+      const __m512 lo = _mm512_permutex2var_ps(a[0], ij, a[1]), hi = _mm512_permutex2var_ps(a[2], ij, a[3]);
+      _mm512_storeu_ps(out + c + 16 * j, _mm512_mul_ps(_mm512_mask_mov_ps(lo, 0xFF00, hi), up));
+    }
   }
   return bad == 0;
 }
@@ -624,10 +754,26 @@ bool FusedDecode(ActType act, const WeightView& w, int64_t m) {
 // registers. Decoding in segments of 2048 columns (accumulators carried in scratch) was slower on every shape.
 constexpr int64_t kDecodedMaxCols = 8192;
 
-size_t FusedScratch(ActType act, const WeightView& w, int64_t m) {
+namespace {
+
+bool DecodesOnce(ActType act, const WeightView& w, int64_t m) {
   const int64_t kp = Pad32(w.cols);
-  const bool once = FoldsAllRows(act, w) && m > 4 && kp <= kDecodedMaxCols && (m > 8 || kp <= 2048);
-  return once ? static_cast<size_t>(4 * kp) * sizeof(uint16_t) : 0;
+  return FoldsAllRows(act, w) && m > 4 && kp <= kDecodedMaxCols && (m > 8 || kp <= 2048);
+}
+
+// Calls whose activation rows RowsFused reorders for the quad route: fp32 activations against QuadRoute weights,
+// folded in groups of at most two (one or two rows, or pairs under batch invariance).
+bool QuadCall(ActType act, const WeightView& w, int64_t m) {
+  return act == ActType::kF32 && QuadRoute(w) && FoldsFp8(act, w) && (m <= 2 || InvariantFold(act, w, m));
+}
+
+}  // namespace
+
+size_t FusedScratch(ActType act, const WeightView& w, int64_t m) {
+  if (DecodesOnce(act, w, m)) return static_cast<size_t>(4 * Pad32(w.cols)) * sizeof(uint16_t);
+  // the reordered rows, then a byte per row: whether it takes the quad route
+  if (QuadCall(act, w, m)) return static_cast<size_t>(m * Pad64(w.cols)) * sizeof(float) + static_cast<size_t>(m);
+  return 0;
 }
 
 void RowsFused(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t n0, int64_t n1, const MatOut& out,
@@ -642,23 +788,23 @@ void RowsFused(ActType act, const void* xp, int64_t m, const WeightView& w, int6
   // the result does not depend on the plan's prefetch setting (bit for bit). FusedBf16Groups folds, on every plan.
   // ScaledGroups: no fold either (ScaledBf16 sums without block sums), only the FoldsAllRows branch of DotFp8Rows.
   const bool fold = m <= 4 || InvariantFold(act, w, m) || FusedBf16Groups(act, w, m) || ScaledGroups(act, w, m);
-  // One or two fp32 activation rows read against FP8 rows one at a time: the codes take the integer route
-  // (Fp8ToF32Scaled) against x * 2^112 where that is exact. Only calls of one or two rows: where more pairs read the
-  // same four weight rows (batch invariance), those sit in L1 after the first pair and four side by side on the fp16
-  // route measured faster (bench preset, 16-row batch-invariant fp32 decode step: 239 ms against 246 with every
-  // pair on the integer route, AMD EPYC family 0x19 model 0x11).
-  // The scaled copy is made here, per task, not once per call: MXCSR.DAZ, which decides whether the route is exact,
-  // belongs to the thread that runs the products (at most 2048 floats, a few hundred cycles). The padded size is
-  // checked again because it bounds the stack buffer (Fp32OneRow counts the unpadded columns).
-  alignas(64) float scaled_buf[kFp8OneRowXBytes / sizeof(float)];
-  const float* x_scaled = nullptr;
-  if (act == ActType::kF32 && m <= 2 && Fp32OneRow(w, m) &&
-      m * kp * static_cast<int64_t>(sizeof(float)) <= kFp8OneRowXBytes &&
-      ScaledActivations(static_cast<const float*>(xp), m * kp, scaled_buf)) {
-    x_scaled = scaled_buf;
+  // The quad route's activations (QuadCall): every row reordered and scaled into scratch, and whether it may take
+  // the route. Made per task, not once per call: MXCSR.DAZ, which decides whether the route is exact, belongs to
+  // the thread that runs the products (m x Pad64(cols) floats: a few hundred cycles per row). Decided per row, so a
+  // row takes the same route alone and in a batch.
+  const int64_t kq = Pad64(w.cols);
+  float* xq = nullptr;
+  const uint8_t* quad_ok = nullptr;
+  if (QuadCall(act, w, m)) {
+    xq = static_cast<float*>(scratch);
+    uint8_t* ok = reinterpret_cast<uint8_t*>(xq + m * kq);
+    const bool daz = (_mm_getcsr() & 0x40) != 0;
+    for (int64_t i = 0; i < m; ++i)
+      ok[i] = !daz && QuadActivations(static_cast<const float*>(xp) + i * kp, kp, xq + i * kq) ? 1 : 0;
+    quad_ok = ok;
   }
-  // FusedScratch: the four weight rows decoded once for every group of activation rows (DecodeFp8Bf16Rows).
-  uint16_t* dec = FusedScratch(act, w, m) > 0 ? static_cast<uint16_t*>(scratch) : nullptr;
+  // DecodesOnce: the four weight rows decoded once for every group of activation rows (DecodeFp8Bf16Rows).
+  uint16_t* dec = DecodesOnce(act, w, m) ? static_cast<uint16_t*>(scratch) : nullptr;
   const bool scaled = ScaledBf16(act, w);
   for (int64_t r0 = n0; r0 < n1; r0 += 4) {
     int64_t rows[4];
@@ -698,8 +844,20 @@ void RowsFused(ActType act, const void* xp, int64_t m, const WeightView& w, int6
     for (int64_t i0 = 0; i0 < m; i0 += group) {
       const int mr = static_cast<int>(m - i0 < group ? m - i0 : group);
       const void* x = static_cast<const uint8_t*>(xp) + static_cast<size_t>(i0) * row_bytes;
-      const float* xsc = x_scaled != nullptr ? x_scaled + i0 * kp : nullptr;
       float res[4][4];
+      const float* xsc = nullptr;
+      if (xq != nullptr) {  // groups of at most two rows here
+        if (mr == 2 && quad_ok[i0] != quad_ok[i0 + 1]) {  // one row on each route: each as it runs alone
+          float second[1][4];
+          DotFused<1>(act, w, rows, x, kp, res, fold, quad_ok[i0] ? xq + i0 * kq : nullptr, scaled);
+          DotFused<1>(act, w, rows, static_cast<const uint8_t*>(x) + row_bytes, kp, second, fold,
+                      quad_ok[i0 + 1] ? xq + (i0 + 1) * kq : nullptr, scaled);
+          for (int q = 0; q < 4; ++q) res[1][q] = second[0][q];
+          StoreResults(out, i0, mr, r0 - n0, n1 - r0 < 4 ? n1 - r0 : 4, res);
+          continue;
+        }
+        if (quad_ok[i0]) xsc = xq + i0 * kq;
+      }
       switch (mr) {
         case 1: DotFused<1>(act, w, rows, x, kp, res, fold, xsc, scaled); break;
         case 2: DotFused<2>(act, w, rows, x, kp, res, fold, xsc, scaled); break;

@@ -19,6 +19,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 #if defined(__x86_64__) || defined(_M_X64)
@@ -313,9 +314,11 @@ void TestNanAndEmpty(const Variant& v) {
   Rng rng(99);
   for (ActType act : {ActType::kF32, ActType::kBf16}) {
     for (Fmt fmt : {Fmt::kFp8E8m0, Fmt::kFp8F32}) {
-      for (const auto& [m, invariant] : std::vector<std::pair<int64_t, int64_t>>{
-               {1, 0}, {2, 0}, {3, 0}, {4, 0}, {6, 0}, {20, 0}, {6, 32}, {20, 32}}) {
-        Problem p = MakeProblem(rng, act, fmt, m, 39, 77, 1, 32);
+      // 128-column blocks: fp32 activation rows alone and in pairs (also under batch invariance) take the quad route
+      for (const auto& [m, invariant, block] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
+               {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32}, {6, 0, 32}, {20, 0, 32}, {6, 32, 32}, {20, 32, 32},
+               {1, 0, 128}, {2, 0, 128}, {3, 0, 128}, {6, 32, 128}, {20, 32, 128}}) {
+        Problem p = MakeProblem(rng, act, fmt, m, 39, 77, 1, block);
         p.w.view.invariant_rows = invariant;
         p.w.data[3 * 77 + 5] = 0x7F;
         p.w.data[17 * 77 + 76] = 0xFF;  // the row's partial last chunk
@@ -332,7 +335,8 @@ void TestNanAndEmpty(const Variant& v) {
           for (int64_t j = 0; j < 39; ++j) {
             const bool nan = std::isnan(got[i * 39 + j]);
             KT_CHECK(nan == (j == 3 || j == 17 || j == 38))
-                << v.name << " " << FmtName(fmt) << " M=" << m << " invariant_rows=" << invariant << " row " << i
+                << v.name << " " << FmtName(fmt) << " M=" << m << " block=" << block << " invariant_rows=" << invariant
+                << " row " << i
                 << " col " << j << ": " << got[i * 39 + j];
           }
         }
@@ -518,13 +522,21 @@ void TestBatchInvariant(const Variant& v, ActType act, Fmt fmt) {
   };
   // 3000 columns: one activation row reads the weight rows one at a time where two do not (RowsBlock's one_row,
   // DotFp8Rows)
-  // Both row orders of the plan (WeightView::prefetch; off, one fp32 or bf16 activation row and pairs of fp32 rows
-  // read FP8 rows one at a time, on the integer route, where the activations fit kFp8OneRowXBytes).
-  for (const auto& [s, prefetch] : std::vector<std::pair<Shape, bool>>{
-           {{70, fp4 ? 320 : 300, 1, 32}, true}, {{256, 256, 1, 128}, true}, {{128, 64, 4, 128}, true},
-           {{64, 1024, 1, 128}, true}, {{24, fp4 ? 3008 : 3000, 1, 128}, true}, {{70, fp4 ? 320 : 300, 1, 32}, false},
-           {{64, 1024, 1, 128}, false}, {{24, 2048, 1, 128}, false}}) {
+  // Both row orders of the plan (WeightView::prefetch; off, one bf16 activation row reads FP8 rows one at a time
+  // where the activations fit kFp8OneRowXBytes).
+  // fp32 activations against FP8 rows with 128-column scale blocks take the quad route (activations reordered and
+  // scaled by 2^112) row by row while every |x| < 2^15: with one large activation (row 5) that row takes the fp16
+  // route, alone and in the pair (4, 5), and must still sum as it does alone, as must its neighbour.
+  const bool fp8 = fmt == Fmt::kFp8E8m0 || fmt == Fmt::kFp8F32;
+  for (const auto& [s, prefetch, large] : std::vector<std::tuple<Shape, bool, bool>>{
+           {{70, fp4 ? 320 : 300, 1, 32}, true, false}, {{256, 256, 1, 128}, true, false},
+           {{128, 64, 4, 128}, true, false}, {{64, 1024, 1, 128}, true, false},
+           {{24, fp4 ? 3008 : 3000, 1, 128}, true, false}, {{70, fp4 ? 320 : 300, 1, 32}, false, false},
+           {{64, 1024, 1, 128}, false, false}, {{24, 2048, 1, 128}, false, false}, {{64, 1024, 1, 128}, true, true},
+           {{24, 2048, 1, 128}, false, true}}) {
+    if (large && (act != ActType::kF32 || !fp8)) continue;
     Problem all = MakeProblem(rng, act, fmt, kBound, s.n, s.kw, s.groups, s.block);
+    if (large) all.x32[5 * s.kw * s.groups + 3] = 1.0e6f;  // 2^112 times it overflows fp32
     all.w.view.invariant_rows = kBound;
     all.w.view.prefetch = prefetch;
     const int64_t n = all.w.view.rows, k = all.w.view.cols * all.groups;
@@ -547,7 +559,7 @@ void TestBatchInvariant(const Variant& v, ActType act, Fmt fmt) {
       int64_t differ = 0;
       for (int64_t i = 0; i < m; ++i) differ += std::memcmp(got.data() + i * n, alone[i].data(), n * sizeof(float)) != 0;
       KT_CHECK(differ == 0) << v.name << " " << Describe(p, fmt) << " invariant_rows=" << kBound << " prefetch "
-                            << prefetch << ": " << differ
+                            << prefetch << (large ? " large x" : "") << ": " << differ
                             << " of " << m << " rows differ from the row computed alone";
     }
   }
@@ -750,9 +762,12 @@ void TestPrefetchOff(const Variant& v) {
       for (const auto& [m, kw] : std::vector<std::pair<int64_t, int64_t>>{
                {1, 299}, {2, 299}, {3, 299}, {4, 299}, {5, 299}, {6, 299}, {8, 299}, {9, 299}, {16, 299}, {17, 299},
                {2, 1000}, {1, 3000}, {2, 3000}, {3, 3000}, {4, 3000}, {5, 3000}}) {
-        Problem on = MakeProblem(rng, act, fmt, m, 37, fmt == Fmt::kFp4 ? (kw == 299 ? 288 : 3008) : kw, 1, 32);
-        // one or two fp32 rows against FP8 rows read one at a time take the integer route (activations scaled by
-        // 2^112) only while every |x| < 2^15: a large activation (in the last row) must send them back to the fp16
+        // FP8 scale blocks of 128 columns: one or two fp32 rows take the quad route
+        const bool fp8 = fmt == Fmt::kFp8E8m0 || fmt == Fmt::kFp8F32;
+        Problem on = MakeProblem(rng, act, fmt, m, 37, fmt == Fmt::kFp4 ? (kw == 299 ? 288 : 3008) : kw, 1,
+                                 fp8 && m <= 2 && kw >= 1000 ? 128 : 32);
+        // one or two fp32 rows against FP8 rows with 128-column blocks take the quad route (activations scaled by
+        // 2^112) only while every |x| < 2^15: a large activation (in the last row) must send that row to the fp16
         // route, not overflow
         for (bool large : {false, true}) {
           if (large && (act != ActType::kF32 || m > 2)) continue;
