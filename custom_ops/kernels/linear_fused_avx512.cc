@@ -25,13 +25,15 @@ namespace {
 constexpr int64_t kPrefetchFp4 = 2048;
 constexpr int64_t kPrefetchFp8 = 2048;
 
-// The quad route (DotFp8Quads), where the plan leaves rows to the hardware prefetchers (AMD Zen 4), prefetches
-// 8 KiB ahead into L2 instead (T1). One core streaming FP8 rows from DRAM through the quad route's decode
-// (standalone, 512 MiB): no prefetch 17.7-17.8 GB/s, T0 1-16 KiB ahead 8.7-11.5 (worse than none), T1 4 / 8 / 16
-// KiB 15.6-17.2 / 20.0-22.7 / 21.1-22.7, against 26-27 GB/s for a plain read; a single core's loads alone keep too
-// few lines in flight for this loop's rate. On the plan that prefetches (an Intel Xeon) the decode loops keep
-// kPrefetchFp8 into L1.
-constexpr int64_t kPrefetchQuadsFar = 8192;
+// FP8 rows read side by side (DotFp8Quads, DotFp8), where the plan leaves rows to the hardware prefetchers (AMD Zen
+// 4), prefetch 8 KiB ahead into L2 instead (T1). One core streaming FP8 rows from DRAM through the quad route's
+// decode (standalone, 512 MiB): no prefetch 17.7-17.8 GB/s, T0 1-16 KiB ahead 8.7-11.5 (worse than none), T1 4 / 8 /
+// 16 KiB 15.6-17.2 / 20.0-22.7 / 21.1-22.7, against 26-27 GB/s for a plain read; a single core's loads alone keep
+// too few lines in flight for this loop's rate. Bf16 products side by side, two cores, in-process A/B, us: Flash
+// wo_b 4096 x 8192 M = 1 1330-1438 -> 1173-1216, 1024 x 4096 M = 2 200-232 -> 157-207, 2048 x 2048 M = 4 258-274 ->
+// 185-203; M = 8 and one weight row at a time (no software prefetch there) unchanged, as are fp32 rows on the fp16
+// route (M = 3 / 4, decode-bound). On the plan that prefetches (an Intel Xeon) they keep kPrefetchFp8 into L1.
+constexpr int64_t kPrefetchFp8Far = 8192;
 
 // What those loops prefetch: `ahead` bytes past offset `at` of a row of `row_bytes` bytes, where the loop reads four
 // consecutive rows side by side. Past the row's end that is the same offset in the row four rows on (the row the
@@ -231,6 +233,7 @@ void DotFp8(const WeightView& w, const int64_t* rows, const void* xv, int64_t xs
     DSV4_UNROLL for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_setzero_ps();
   __m256i nan_seen = _mm256_setzero_si256();
   const __m512 e8 = _mm512_set1_ps(8.0f);
+  const bool far = !w.prefetch;  // the plan's prefetch off (AMD Zen 4): far into L2, see kPrefetchFp8Far
   // bf16 products folded (E8M0 scales only, FoldsFp8): the codes go to bf16 directly (Fp8ToBf16), exact values,
   // so the block sum is scaled by 2^(e - 127)
   constexpr bool kDirectBf16 = kBf16Act && kFold;
@@ -266,7 +269,13 @@ void DotFp8(const WeightView& w, const int64_t* rows, const void* xv, int64_t xs
       __m512 lo[4], hi[4];
       __m512bh direct[4];
       DSV4_UNROLL for (int q = 0; q < NQ; ++q) {
-        if (NQ > 1 && (k & 63) == 0) _mm_prefetch(PrefetchTarget(src[q], k, kw, kPrefetchFp8, NQ), _MM_HINT_T0);
+        if (NQ > 1 && (k & 63) == 0) {  // one row at a time: the hardware prefetchers alone (as fast or faster)
+          if (far) {
+            _mm_prefetch(PrefetchTarget(src[q], k, kw, kPrefetchFp8Far, NQ), _MM_HINT_T1);
+          } else {
+            _mm_prefetch(PrefetchTarget(src[q], k, kw, kPrefetchFp8, NQ), _MM_HINT_T0);
+          }
+        }
         const __m256i codes = valid >= 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[q] + k))
                                           : _mm256_maskz_loadu_epi8(Mask32(valid), src[q] + k);
         if constexpr (!kFinite) nan_seen = Fp8NanBytes(nan_seen, codes);
@@ -375,7 +384,7 @@ void DotFp8Quads(const WeightView& w, const int64_t* rows, const float* x, int64
     DSV4_UNROLL for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_setzero_ps();
   __m512i nan_seen = _mm512_setzero_si512();
   const __m512 e8 = _mm512_set1_ps(8.0f);
-  const bool far = !w.prefetch;  // the plan's prefetch off (AMD Zen 4): far into L2, see kPrefetchQuadsFar
+  const bool far = !w.prefetch;  // the plan's prefetch off (AMD Zen 4): far into L2, see kPrefetchFp8Far
   for (int64_t b = 0; b < scale_cols; ++b) {
     __m512 sv[4];
     DSV4_UNROLL for (int q = 0; q < NQ; ++q) {
@@ -399,7 +408,7 @@ void DotFp8Quads(const WeightView& w, const int64_t* rows, const float* x, int64
         DSV4_UNROLL for (int j = 0; j < 4; ++j) xr[i][j] = _mm512_loadu_ps(x + i * xs + k + 16 * j);
       DSV4_UNROLL for (int q = 0; q < NQ; ++q) {
         if (far) {
-          _mm_prefetch(PrefetchTarget(src[q], k, kw, kPrefetchQuadsFar, NQ), _MM_HINT_T1);
+          _mm_prefetch(PrefetchTarget(src[q], k, kw, kPrefetchFp8Far, NQ), _MM_HINT_T1);
         } else {
           _mm_prefetch(PrefetchTarget(src[q], k, kw, kPrefetchFp8, NQ), _MM_HINT_T0);
         }
@@ -445,7 +454,7 @@ int64_t Pad64(int64_t c) { return (c + 63) / 64 * 64; }
 // Four FP8 rows against one or two activation rows on the quad route, side by side: four weight rows against one
 // activation row, two against two (the registers hold 2 x 2 x 2 block sums, four totals and the chunk's eight
 // activation vectors). Reading one weight row at a time, as the fp16 route does for short rows on AMD Zen 4,
-// measured slower here once the rows side by side prefetch far ahead (kPrefetchQuadsFar).
+// measured slower here once the rows side by side prefetch far ahead (kPrefetchFp8Far).
 template <int MR>
 void DotFp8QuadGroups(const WeightView& w, const int64_t* rows, const float* x, int64_t xs, float res[][4]) {
   constexpr int NQ = MR == 1 ? 4 : 2;
