@@ -32,7 +32,10 @@ constexpr int64_t kPrefetchFp8 = 2048;
 // too few lines in flight for this loop's rate. Bf16 products side by side, two cores, in-process A/B, us: Flash
 // wo_b 4096 x 8192 M = 1 1330-1438 -> 1173-1216, 1024 x 4096 M = 2 200-232 -> 157-207, 2048 x 2048 M = 4 258-274 ->
 // 185-203; M = 8 and one weight row at a time (no software prefetch there) unchanged, as are fp32 rows on the fp16
-// route (M = 3 / 4, decode-bound). On the plan that prefetches (an Intel Xeon) they keep kPrefetchFp8 into L1.
+// route (M = 3 / 4, decode-bound). FP4 rows (always side by side) take it too: LinearFp4 M = 1 fp32 4096 x 4096 436
+// -> 359 us, 2048 x 1024 85 -> 73, bf16 4096 x 4096 436 -> 306; M = 2 515 -> 446; M = 4 unchanged; MoeExpertsFp4 of a
+// bench-preset decode step (one token / four) 1183 -> 1049 / 4808 -> 4038 us, Flash shapes 4498 -> 4263. On the plan
+// that prefetches (an Intel Xeon) they keep kPrefetchFp8 / kPrefetchFp4 into L1.
 constexpr int64_t kPrefetchFp8Far = 8192;
 
 // What those loops prefetch: `ahead` bytes past offset `at` of a row of `row_bytes` bytes, where the loop reads four
@@ -49,6 +52,7 @@ struct Fp4Rows {
   const uint8_t* src[4];
   const uint8_t* scale[4];
   int64_t row_bytes;
+  bool far = false;  // prefetch kPrefetchFp8Far into L2 (the plan's weight prefetch off) instead of kPrefetchFp4
   // natural-order bf16
   __m512i Bf16(int q, int64_t c) const { return DecodeFp4Block(src[q] + c * 16, scale[q][c]); }
   // [even, odd] columns as exact fp32
@@ -63,7 +67,13 @@ void DotFp4Bf16(const Fp4Rows& w, int64_t kw, const uint16_t* x, int64_t xs, flo
   for (int64_t c = 0; c < kw / 32; ++c) {
     __m512bh a[4];
     DSV4_UNROLL for (int q = 0; q < 4; ++q) {
-      if ((c & 3) == 0) _mm_prefetch(PrefetchTarget(w.src[q], c * 16, w.row_bytes, kPrefetchFp4), _MM_HINT_T0);
+      if ((c & 3) == 0) {
+        if (w.far) {
+          _mm_prefetch(PrefetchTarget(w.src[q], c * 16, w.row_bytes, kPrefetchFp8Far), _MM_HINT_T1);
+        } else {
+          _mm_prefetch(PrefetchTarget(w.src[q], c * 16, w.row_bytes, kPrefetchFp4), _MM_HINT_T0);
+        }
+      }
       a[q] = AsBh(w.Bf16(q, c));
     }
     DSV4_UNROLL for (int i = 0; i < MR; ++i) {
@@ -83,7 +93,13 @@ void DotFp4F32(const Fp4Rows& w, int64_t kw, const float* x, int64_t xs, float r
   for (int64_t c = 0; c < kw / 32; ++c) {
     __m512 we[4], wo[4];
     DSV4_UNROLL for (int q = 0; q < 4; ++q) {
-      if ((c & 3) == 0) _mm_prefetch(PrefetchTarget(w.src[q], c * 16, w.row_bytes, kPrefetchFp4), _MM_HINT_T0);
+      if ((c & 3) == 0) {
+        if (w.far) {
+          _mm_prefetch(PrefetchTarget(w.src[q], c * 16, w.row_bytes, kPrefetchFp8Far), _MM_HINT_T1);
+        } else {
+          _mm_prefetch(PrefetchTarget(w.src[q], c * 16, w.row_bytes, kPrefetchFp4), _MM_HINT_T0);
+        }
+      }
       w.F32(q, c, &we[q], &wo[q]);
     }
     DSV4_UNROLL for (int i = 0; i < MR; ++i) {
@@ -659,6 +675,7 @@ void DotFused(ActType act, const WeightView& w, const int64_t* rows, const void*
   if (w.format == WeightFormat::kFp4E2M1) {
     Fp4Rows src;
     src.row_bytes = w.cols / 2;
+    src.far = !w.prefetch;
     for (int q = 0; q < 4; ++q) {
       src.src[q] = static_cast<const uint8_t*>(w.data) + rows[q] * (w.cols / 2);
       src.scale[q] = static_cast<const uint8_t*>(w.scale) + rows[q] * (w.cols / kFp4Block);
