@@ -72,7 +72,9 @@ struct WeightView {
   // prefetchers alone keep too few lines in flight (measured on an Intel Xeon), off on AMD Zen 4, whose prefetchers
   // stream those rows faster without it (and faster still one row at a time: the AVX512 rows path does that for
   // one small activation row when this is off, and prefetches whole blocks of rows two ahead for the other calls).
-  // The FP8 / FP4 decode loops always prefetch (a gain on both). Results do not depend on it.
+  // The FP8 / FP4 decode loops prefetch weight rows read side by side either way: into L1 2 KiB ahead, or with this
+  // off at the AVX512 level into L2 8 KiB ahead (linear_fused_avx512.cc, kPrefetchFp8Far). Results do not depend on
+  // it.
   bool prefetch = true;
 };
 

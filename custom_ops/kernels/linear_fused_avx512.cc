@@ -371,7 +371,8 @@ void DotFp8Finite(const WeightView& w, const int64_t* rows, const void* x, int64
 
 // 64 bytes as two 256-bit loads. On AMD Zen 4 a loop streaming weights from DRAM through one 512-bit load per 64
 // bytes ran at 9.6-11.6 GB/s on one core where the same loop with two 256-bit loads ran at 17.1-19.1 (one core,
-// 512 MiB of FP8 rows of 2048 bytes, the quad route's decode, standalone; in L1 / L3 both run alike).
+// 512 MiB of FP8 rows of 2048 bytes, the quad route's decode, no software prefetch, standalone). Inside the kernel,
+// with its prefetch, the difference was not separated from the machine's drift.
 inline __attribute__((always_inline)) __m512i Load64Halves(const uint8_t* p) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)), 1);
