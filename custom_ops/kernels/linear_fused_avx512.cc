@@ -47,6 +47,17 @@ const char* PrefetchTarget(const uint8_t* row, int64_t at, int64_t row_bytes, in
   return reinterpret_cast<const char*>(row + (t < row_bytes ? t : t + (side - 1) * row_bytes));
 }
 
+// The decode loops' prefetch of one row read side by side with side - 1 others: kPrefetchFp8Far ahead into L2 where
+// far (the plan's weight prefetch off), else `near` ahead into L1.
+inline __attribute__((always_inline)) void PrefetchRow(const uint8_t* row, int64_t at, int64_t row_bytes, int64_t near,
+                                                       int64_t side, bool far) {
+  if (far) {
+    _mm_prefetch(PrefetchTarget(row, at, row_bytes, kPrefetchFp8Far, side), _MM_HINT_T1);
+  } else {
+    _mm_prefetch(PrefetchTarget(row, at, row_bytes, near, side), _MM_HINT_T0);
+  }
+}
+
 // Four FP4 rows; column chunk c (32 values) of row q.
 struct Fp4Rows {
   const uint8_t* src[4];
@@ -67,13 +78,7 @@ void DotFp4Bf16(const Fp4Rows& w, int64_t kw, const uint16_t* x, int64_t xs, flo
   for (int64_t c = 0; c < kw / 32; ++c) {
     __m512bh a[4];
     DSV4_UNROLL for (int q = 0; q < 4; ++q) {
-      if ((c & 3) == 0) {
-        if (w.far) {
-          _mm_prefetch(PrefetchTarget(w.src[q], c * 16, w.row_bytes, kPrefetchFp8Far), _MM_HINT_T1);
-        } else {
-          _mm_prefetch(PrefetchTarget(w.src[q], c * 16, w.row_bytes, kPrefetchFp4), _MM_HINT_T0);
-        }
-      }
+      if ((c & 3) == 0) PrefetchRow(w.src[q], c * 16, w.row_bytes, kPrefetchFp4, 4, w.far);
       a[q] = AsBh(w.Bf16(q, c));
     }
     DSV4_UNROLL for (int i = 0; i < MR; ++i) {
@@ -93,13 +98,7 @@ void DotFp4F32(const Fp4Rows& w, int64_t kw, const float* x, int64_t xs, float r
   for (int64_t c = 0; c < kw / 32; ++c) {
     __m512 we[4], wo[4];
     DSV4_UNROLL for (int q = 0; q < 4; ++q) {
-      if ((c & 3) == 0) {
-        if (w.far) {
-          _mm_prefetch(PrefetchTarget(w.src[q], c * 16, w.row_bytes, kPrefetchFp8Far), _MM_HINT_T1);
-        } else {
-          _mm_prefetch(PrefetchTarget(w.src[q], c * 16, w.row_bytes, kPrefetchFp4), _MM_HINT_T0);
-        }
-      }
+      if ((c & 3) == 0) PrefetchRow(w.src[q], c * 16, w.row_bytes, kPrefetchFp4, 4, w.far);
       w.F32(q, c, &we[q], &wo[q]);
     }
     DSV4_UNROLL for (int i = 0; i < MR; ++i) {
@@ -214,6 +213,39 @@ bool Fp8RowHasNan(const uint8_t* row, int64_t cols) {
   return false;
 }
 
+// The NQ FP8 rows a decode loop reads side by side (DotFp8, DotFp8Quads): each row's codes and the start of its row
+// of scale blocks. rows[0] <= rows[q] < rows[0] + NQ <= rows[0] + block: row block rb0 or the next (one division per
+// group).
+struct Fp8Group {
+  const uint8_t* src[4];
+  int64_t scale_row[4];
+  Fp8Group(const WeightView& w, const int64_t* rows, int nq, int64_t scale_cols) {
+    const int64_t rb0 = rows[0] / w.block;
+    for (int q = 0; q < nq; ++q) {
+      src[q] = static_cast<const uint8_t*>(w.data) + rows[q] * w.cols;
+      scale_row[q] = (rows[q] - rb0 * w.block < w.block ? rb0 : rb0 + 1) * scale_cols;
+    }
+  }
+  uint8_t ScaleByte(const WeightView& w, int q, int64_t b) const {
+    return static_cast<const uint8_t*>(w.scale)[scale_row[q] + b];
+  }
+  // Row q's scale for block b, broadcast: E8M0 as the VSCALEFPS exponent e - 127 + 8 - e8m0_less, fp32 as it is.
+  __m512 Scale(const WeightView& w, int q, int64_t b, float e8m0_less) const {
+    return w.scale_format == ScaleFormat::kE8M0
+               ? _mm512_set1_ps(kScalefExponent.e[ScaleByte(w, q, b)] - e8m0_less)
+               : _mm512_set1_ps(static_cast<const float*>(w.scale)[scale_row[q] + b]);
+  }
+  // A NaN code seen (nan): every output of a row holding one is NaN (any product with a NaN weight is).
+  template <int MR, int NQ>
+  void MarkNanRows(bool nan, int64_t cols, float res[][4], int q0) const {
+    if (!nan) return;
+    for (int q = 0; q < NQ; ++q) {
+      if (!Fp8RowHasNan(src[q], cols)) continue;
+      for (int i = 0; i < MR; ++i) res[i][q0 + q] = __builtin_nanf("");
+    }
+  }
+};
+
 // R FP8 rows (scale blocks are multiples of 32 columns: the loop runs over blocks, then 32-column chunks).
 // Codes become fp16 bits of code * 2^-8 (Fp8ToF16Bits) and fp32 by VCVTPH2PS (folded fp32 products where the
 // activations allow take the quad route instead: DotFp8Quads). Then either
@@ -236,14 +268,7 @@ void DotFp8(const WeightView& w, const int64_t* rows, const void* xv, int64_t xs
   static_assert(!kScaledBf16 || (kFold && kBf16Act), "scaled decoding: the direct bf16 route only");
   const int64_t kw = w.cols, scale_cols = (kw + w.block - 1) / w.block;
   const bool e8m0 = w.scale_format == ScaleFormat::kE8M0;
-  const uint8_t* src[4];
-  int64_t scale_row[4];
-  // rows[0] <= rows[q] < rows[0] + NQ <= rows[0] + block: row block rb0 or the next (one division per group)
-  const int64_t rb0 = rows[0] / w.block;
-  for (int q = 0; q < NQ; ++q) {
-    src[q] = static_cast<const uint8_t*>(w.data) + rows[q] * kw;
-    scale_row[q] = (rows[q] - rb0 * w.block < w.block ? rb0 : rb0 + 1) * scale_cols;
-  }
+  const Fp8Group g(w, rows, NQ, scale_cols);
   __m512 acc[MR][4];
   DSV4_UNROLL for (int i = 0; i < MR; ++i)
     DSV4_UNROLL for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_setzero_ps();
@@ -260,15 +285,12 @@ void DotFp8(const WeightView& w, const int64_t* rows, const void* xv, int64_t xs
     // E8M0 byte e: the exponent e - 127 + 8 for VSCALEFPS (the 2^8 the fp16 route leaves out; e - 127 on the direct
     // bf16 route); fp32: the scale.
     __m512 sv[4];
-    DSV4_UNROLL for (int q = 0; q < NQ; ++q) {  // broadcasts from memory (no conversion in the loop)
-      sv[q] = e8m0 ? _mm512_set1_ps(kScalefExponent.e[static_cast<const uint8_t*>(w.scale)[scale_row[q] + b]] -
-                                    (kDirectBf16 ? 8.0f : 0.0f))
-                   : _mm512_set1_ps(static_cast<const float*>(w.scale)[scale_row[q] + b]);
-    }
+    // broadcasts from memory (no conversion in the loop)
+    DSV4_UNROLL for (int q = 0; q < NQ; ++q) sv[q] = g.Scale(w, q, b, kDirectBf16 ? 8.0f : 0.0f);
     __m512i bias[4], subnormals[4];
     if constexpr (kScaledBf16) {
       DSV4_UNROLL for (int q = 0; q < NQ; ++q) {
-        const Fp8Bf16Block blkdec(static_cast<const uint8_t*>(w.scale)[scale_row[q] + b]);
+        const Fp8Bf16Block blkdec(g.ScaleByte(w, q, b));
         bias[q] = blkdec.bias;
         subnormals[q] = blkdec.subnormals;
       }
@@ -285,15 +307,10 @@ void DotFp8(const WeightView& w, const int64_t* rows, const void* xv, int64_t xs
       __m512 lo[4], hi[4];
       __m512bh direct[4];
       DSV4_UNROLL for (int q = 0; q < NQ; ++q) {
-        if (NQ > 1 && (k & 63) == 0) {  // one row at a time: the hardware prefetchers alone (as fast or faster)
-          if (far) {
-            _mm_prefetch(PrefetchTarget(src[q], k, kw, kPrefetchFp8Far, NQ), _MM_HINT_T1);
-          } else {
-            _mm_prefetch(PrefetchTarget(src[q], k, kw, kPrefetchFp8, NQ), _MM_HINT_T0);
-          }
-        }
-        const __m256i codes = valid >= 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[q] + k))
-                                          : _mm256_maskz_loadu_epi8(Mask32(valid), src[q] + k);
+        // one row at a time: the hardware prefetchers alone (as fast or faster)
+        if (NQ > 1 && (k & 63) == 0) PrefetchRow(g.src[q], k, kw, kPrefetchFp8, NQ, far);
+        const __m256i codes = valid >= 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.src[q] + k))
+                                          : _mm256_maskz_loadu_epi8(Mask32(valid), g.src[q] + k);
         if constexpr (!kFinite) nan_seen = Fp8NanBytes(nan_seen, codes);
         if constexpr (kScaledBf16) {
           direct[q] = AsBh(Fp8ToBf16With(codes, bias[q], subnormals[q]));
@@ -350,14 +367,7 @@ void DotFp8(const WeightView& w, const int64_t* rows, const void* xv, int64_t xs
     }
   }
   StoreSums<MR, NQ>(acc, res, q0);
-  if constexpr (!kFinite) {
-    if (Fp8SawNan(nan_seen)) {
-      for (int q = 0; q < NQ; ++q) {
-        if (!Fp8RowHasNan(src[q], kw)) continue;
-        for (int i = 0; i < MR; ++i) res[i][q0 + q] = __builtin_nanf("");
-      }
-    }
-  }
+  if constexpr (!kFinite) g.MarkNanRows<MR, NQ>(Fp8SawNan(nan_seen), kw, res, q0);
 }
 
 template <int MR, int NQ, bool kBf16Act, bool kFold, bool kScaledBf16 = false>
@@ -389,13 +399,7 @@ template <int MR, int NQ, bool kFinite>
 void DotFp8Quads(const WeightView& w, const int64_t* rows, const float* x, int64_t xs, float res[][4], int q0) {
   const int64_t kw = w.cols, scale_cols = (kw + w.block - 1) / w.block;
   const bool e8m0 = w.scale_format == ScaleFormat::kE8M0;
-  const uint8_t* src[4];
-  int64_t scale_row[4];
-  const int64_t rb0 = rows[0] / w.block;  // as in DotFp8
-  for (int q = 0; q < NQ; ++q) {
-    src[q] = static_cast<const uint8_t*>(w.data) + rows[q] * kw;
-    scale_row[q] = (rows[q] - rb0 * w.block < w.block ? rb0 : rb0 + 1) * scale_cols;
-  }
+  const Fp8Group g(w, rows, NQ, scale_cols);
   __m512 acc[MR][4];
   DSV4_UNROLL for (int i = 0; i < MR; ++i)
     DSV4_UNROLL for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_setzero_ps();
@@ -404,10 +408,7 @@ void DotFp8Quads(const WeightView& w, const int64_t* rows, const float* x, int64
   const bool far = !w.prefetch;  // the plan's prefetch off (AMD Zen 4): far into L2, see kPrefetchFp8Far
   for (int64_t b = 0; b < scale_cols; ++b) {
     __m512 sv[4];
-    DSV4_UNROLL for (int q = 0; q < NQ; ++q) {
-      sv[q] = e8m0 ? _mm512_set1_ps(kScalefExponent.e[static_cast<const uint8_t*>(w.scale)[scale_row[q] + b]])
-                   : _mm512_set1_ps(static_cast<const float*>(w.scale)[scale_row[q] + b]);
-    }
+    DSV4_UNROLL for (int q = 0; q < NQ; ++q) sv[q] = g.Scale(w, q, b, 0.0f);
     __m512 pa[MR][4], pb[MR][4];
     DSV4_UNROLL for (int i = 0; i < MR; ++i) {
       DSV4_UNROLL for (int q = 0; q < NQ; ++q) {
@@ -424,13 +425,9 @@ void DotFp8Quads(const WeightView& w, const int64_t* rows, const float* x, int64
       DSV4_UNROLL for (int i = 0; i < MR; ++i)
         DSV4_UNROLL for (int j = 0; j < 4; ++j) xr[i][j] = _mm512_loadu_ps(x + i * xs + k + 16 * j);
       DSV4_UNROLL for (int q = 0; q < NQ; ++q) {
-        if (far) {
-          _mm_prefetch(PrefetchTarget(src[q], k, kw, kPrefetchFp8Far, NQ), _MM_HINT_T1);
-        } else {
-          _mm_prefetch(PrefetchTarget(src[q], k, kw, kPrefetchFp8, NQ), _MM_HINT_T0);
-        }
-        const __m512i codes = valid >= 64 ? Load64Halves(src[q] + k)
-                                          : _mm512_maskz_loadu_epi8((1ull << valid) - 1, src[q] + k);
+        PrefetchRow(g.src[q], k, kw, kPrefetchFp8, NQ, far);
+        const __m512i codes = valid >= 64 ? Load64Halves(g.src[q] + k)
+                                          : _mm512_maskz_loadu_epi8((1ull << valid) - 1, g.src[q] + k);
         if constexpr (!kFinite) nan_seen = _mm512_max_epu8(nan_seen, _mm512_add_epi8(codes, codes));
         __m512 v0, v1, v2, v3;
         Fp8QuadsToF32Scaled(codes, &v0, &v1, &v2, &v3);
@@ -452,12 +449,8 @@ void DotFp8Quads(const WeightView& w, const int64_t* rows, const float* x, int64
   }
   StoreSums<MR, NQ>(acc, res, q0);
   if constexpr (!kFinite) {
-    if (_mm512_cmpeq_epi8_mask(nan_seen, _mm512_set1_epi8(static_cast<char>(0xFE))) != 0) {
-      for (int q = 0; q < NQ; ++q) {
-        if (!Fp8RowHasNan(src[q], kw)) continue;
-        for (int i = 0; i < MR; ++i) res[i][q0 + q] = __builtin_nanf("");
-      }
-    }
+    g.MarkNanRows<MR, NQ>(_mm512_cmpeq_epi8_mask(nan_seen, _mm512_set1_epi8(static_cast<char>(0xFE))) != 0, kw, res,
+                          q0);
   }
 }
 
