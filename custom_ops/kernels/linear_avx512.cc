@@ -33,7 +33,7 @@ void MoeAccumulateRow(ActType act, const float* src, int64_t n, float* dst) { Mo
 extern const LinearBlocks kLinearBlocks = {
     "avx512",      RowsSupported, RowBytes,     PrepareRows, RowsScratch, Rows, PanelsSupported, PanelXBytes,
     PanelBlocksFn, PreparePanels, PanelScratch, Panels,      {kPanelMinRowsF32, kPanelMinRowsBf16}, kPanelRows,
-    MoeSwiGluRow,  MoeAccumulateRow, {kPanelMinRowsInPlaceF32, kPanelMinRowsInPlaceBf16},
+    MoeSwiGluRow,  MoeAccumulateRow, {kPanelMinRowsInPlaceF32, kPanelMinRowsInPlaceBf16}, kPanelTaskRows,
 };
 
 }  // namespace avx512

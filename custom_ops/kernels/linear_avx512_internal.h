@@ -93,7 +93,8 @@ void RowsFused(ActType act, const void* xp, int64_t m, const WeightView& w, int6
 // ---------------------------------------------------------------------------------------------------------------
 // Panels (linear_panels_avx512.cc): the LinearBlocks tiles slot of this level.
 
-constexpr int64_t kPanelRows = 48;   // weight rows decoded per block (groups of 8 and of 6)
+constexpr int64_t kPanelRows = 48;   // weight rows decoded per block (groups of 8)
+constexpr int64_t kPanelTaskRows = 8;  // Linear tasks split N in multiples of this (LinearBlocks::tile_task_rows)
 
 // Rows -> panels crossover, from single-core GFLOP/s of 512 x 4096 FP4 and bf16 weights (in L2 / L3) at M = 5 ... 96
 // on an AVX512-BF16 CPU without AMX: fp32 activations, panels 0.6x the rows path at M = 8, even at 12, 1.2x at 16

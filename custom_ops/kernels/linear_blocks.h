@@ -110,6 +110,9 @@ struct LinearBlocks {
   // activation rows), the tiles path runs from this many activation rows instead, if more (0: tile_min_rows alone).
   // Independent of WeightView::prefetch, so that results never depend on it.
   int64_t tile_min_rows_in_place[2] = {0, 0};
+  // Linear only: tasks of a tiles-path call split N in multiples of this instead of tile_rows, if set (0: tile_rows).
+  // A finer split evens out the threads' shares where N is a few tile_rows blocks; the MoE items keep tile_rows.
+  int64_t tile_task_rows = 0;
 };
 
 // FP4 weight rows against int8-quantised bf16 activation rows: the rows path of the FP4 experts' compute="int8"

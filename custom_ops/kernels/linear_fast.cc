@@ -247,7 +247,7 @@ void RunLinear(const LinearBlocks& b, ActType act, const void* x, int64_t m, con
   const size_t x_bytes = RoundUp64(tiles ? b.tile_x_bytes(act, m, kw) : static_cast<size_t>(m) * b.row_bytes(act, w));
 
   // Weight-row units (tasks take whole units) and per-task scratch, all allocated before the parallel regions.
-  const int64_t unit = tiles ? b.tile_rows : 16;
+  const int64_t unit = !tiles ? 16 : b.tile_task_rows > 0 ? b.tile_task_rows : b.tile_rows;
   const int64_t units = (n + unit - 1) / unit;
   const int64_t tasks = std::max<int64_t>(1, std::min(units, TargetTasks(par)));
   const size_t scratch_bytes = RoundUp64(tiles ? b.tiles_scratch(act, w, m) : b.rows_scratch(act, w, m));

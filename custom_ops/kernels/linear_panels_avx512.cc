@@ -103,9 +103,14 @@ namespace {
 //   bf16 act     the AMX tile layout of one part ([pair][16 tokens][2] bf16, PrepareTileBlocks); weight rows
 //                decoded to bf16 in column order (DecodeRowsBf16: rounded as linear.h specifies), so a 32-bit
 //                broadcast is a column pair and one VDPBF16PS covers two columns.
-//   microkernel  8 weight rows x 1-3 token blocks or 6 rows x 4 blocks = up to 24 accumulators; per column
-//                (pair), up to four activation loads, eight or six weight broadcasts and 24 FMAs / dot products,
-//                operands from L1 / L2. bf16 weights against bf16 activations are broadcast in place.
+//   microkernel  8 weight rows x 1-3 token blocks = up to 24 accumulators; per column (pair), up to three
+//                activation loads, eight weight broadcasts and 24 FMAs / dot products, operands from L1 / L2. bf16
+//                weights against bf16 activations are broadcast in place. Rows go in groups of 8 only (a 6 x 4
+//                form for four token blocks made groups of 24 rows the padding unit), so the driver's tasks split
+//                N in multiples of 8 (kPanelTaskRows) and two threads get equal shares where N is a few blocks:
+//                AMD EPYC family 0x19 model 0x11, two threads, M = 128, in-process A/B: 256 x 4096 bf16 x0.90-0.93
+//                (six 48-row tasks had split 144 / 112 rows), 512 x 4096 x0.93-0.94, 1024 x 4096 x0.97-0.98, bf16
+//                products 512 x 4096 x0.94; M = 16 / 64 / 256 x0.97-1.00.
 // Each output is one fixed chain over the columns (kept in a per-task accumulator between column blocks), so
 // results do not depend on how tokens, rows or columns are blocked, nor on the thread split. Tokens past m are
 // zeros in the prepared blocks; their lanes are computed and dropped.
@@ -231,8 +236,8 @@ void PanelKernelBf16(const uint16_t* w, int64_t ldw, const uint16_t* x, int64_t 
     for (int j = 0; j < NB; ++j) _mm512_storeu_ps(c + r * ldc + j * 16, acc[r][j]);
 }
 
-// Rows per microkernel call for a panel of nb token blocks: 8 x up to 3, 6 x 4 (24 accumulators either way).
-int64_t PanelGroupRows(int64_t nb) { return nb == 4 ? 6 : 8; }
+// Rows per microkernel call: 8 weight rows x up to 3 token blocks (24 accumulators).
+constexpr int64_t kPanelGroupRows = 8;
 
 // Prefetches the source bytes of weight rows [n0, n0 + rows) x columns [k0, k0 + kc), the next block
 // the panels decode. A block's rows are short pieces of long rows (1 KiB of a bf16 row for 512 columns), which
@@ -348,11 +353,11 @@ void Panels(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t
   const int64_t passes = (blocks + max_pass_blocks - 1) / max_pass_blocks;
   for (int64_t pass = 0; pass < passes; ++pass) {  // passes of equal size (64 blocks -> 32 + 32, not 48 + 16)
     const int64_t s0 = blocks * pass / passes, s1 = blocks * (pass + 1) / passes, sb = s1 - s0;
-    // Token panels of up to four blocks, as even as possible (5 blocks -> 2 + 3, not 4 + 1).
-    const int64_t panels = (sb + 3) / 4;
+    // Token panels of up to three blocks, as even as possible (4 blocks -> 2 + 2, not 3 + 1).
+    const int64_t panels = (sb + 2) / 3;
     for (int64_t b0 = n0; b0 < n1; b0 += kPanelRows) {
       const int64_t rows = std::min(kPanelRows, n1 - b0);
-      const int64_t grouped = (rows + 23) / 24 * 24;  // zero rows pad the last group of 6 or 8
+      const int64_t grouped = (rows + kPanelGroupRows - 1) / kPanelGroupRows * kPanelGroupRows;  // zero rows pad
       // bf16 weights meet bf16 activations as stored when every row of every group and every column of every
       // 32-column step is the matrix's own (a copy into scratch measured ~10% of the time at M = 256).
       const bool inplace = bf16 && w.format == WeightFormat::kBf16 && grouped == rows && w.cols % 32 == 0;
@@ -378,14 +383,10 @@ void Panels(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t
           for (int64_t r = rows; r < grouped; ++r)
             std::memset(wdec + r * kPanelLd, 0, static_cast<size_t>(kc) * sizeof(float));
         }
-        int64_t calls = 0;
-        for (int64_t p = 0; p < panels; ++p) {
-          const int64_t nr = PanelGroupRows(s0 + sb * (p + 1) / panels - (s0 + sb * p / panels));
-          calls += (rows + nr - 1) / nr;
-        }
+        const int64_t nr = kPanelGroupRows, calls = panels * ((rows + nr - 1) / nr);
         int64_t call = 0;
         for (int64_t p = 0; p < panels; ++p) {
-          const int64_t q0 = s0 + sb * p / panels, nb = s0 + sb * (p + 1) / panels - q0, nr = PanelGroupRows(nb);
+          const int64_t q0 = s0 + sb * p / panels, nb = s0 + sb * (p + 1) / panels - q0;
           for (int64_t r = 0; r < rows; r += nr, ++call) {
             if (next_b >= 0) {
               const int64_t p0 = kPanelRows * call / calls, p1 = kPanelRows * (call + 1) / calls;
@@ -400,15 +401,13 @@ void Panels(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t
               const uint16_t* xb = static_cast<const uint16_t*>(xp) + q0 * xs + k0 * 16;
               if (nb == 1) PanelKernelBf16<1, 8>(wr, ldw, xb, xs, kc, c, ldc, first);
               else if (nb == 2) PanelKernelBf16<2, 8>(wr, ldw, xb, xs, kc, c, ldc, first);
-              else if (nb == 3) PanelKernelBf16<3, 8>(wr, ldw, xb, xs, kc, c, ldc, first);
-              else PanelKernelBf16<4, 6>(wr, ldw, xb, xs, kc, c, ldc, first);
+              else PanelKernelBf16<3, 8>(wr, ldw, xb, xs, kc, c, ldc, first);
             } else {
               const float* wr = wdec + r * kPanelLd;
               const float* xb = static_cast<const float*>(xp) + q0 * xs + k0 * 16;
               if (nb == 1) PanelKernelF32<1, 8>(wr, xb, xs, kc, c, ldc, first);
               else if (nb == 2) PanelKernelF32<2, 8>(wr, xb, xs, kc, c, ldc, first);
-              else if (nb == 3) PanelKernelF32<3, 8>(wr, xb, xs, kc, c, ldc, first);
-              else PanelKernelF32<4, 6>(wr, xb, xs, kc, c, ldc, first);
+              else PanelKernelF32<3, 8>(wr, xb, xs, kc, c, ldc, first);
             }
           }
         }
