@@ -195,45 +195,68 @@ void DecodePanelRows(const WeightView& w, int64_t n0, int64_t rows, int64_t k0, 
 }
 
 // fp32 activations: c[r][16 j ..] (+)= sum over k < kc of w[r][k] * x_j[k] for 8 weight rows (kPanelLd floats
-// apart) and NB token blocks (x_j = x + j * xs, [kc][16] fp32); c rows are ldc floats apart.
-template <int NB, int NR>
+// apart) and NB token blocks (x_j = x + j * xs, [kc][16] fp32); c rows are ldc floats apart. kHalf: the last
+// block holds at most 8 tokens, so it runs on 256-bit vectors (lanes 0..7; its lanes 8..15 of c are written as
+// zeros). Each lane's operation sequence is the same either way; on AMD Zen 4, which runs a 512-bit FMA as two
+// 256-bit halves, the half block costs half the FMA slots (the MoE experts' token counts leave such tails often).
+template <int NB, int NR, bool kHalf>
 void PanelKernelF32(const float* w, const float* x, int64_t xs, int64_t kc, float* c, int64_t ldc, bool first) {
+  constexpr int NF = kHalf ? NB - 1 : NB;  // full 16-lane blocks
   __m512 acc[NR][NB];
-  for (int r = 0; r < NR; ++r)
-    for (int j = 0; j < NB; ++j) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + j * 16);
+  __m256 half[NR];
+  for (int r = 0; r < NR; ++r) {
+    for (int j = 0; j < NF; ++j) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + j * 16);
+    if constexpr (kHalf) half[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc + NF * 16);
+  }
   for (int64_t k = 0; k < kc; ++k) {
     __m512 xv[NB];
-    for (int j = 0; j < NB; ++j) xv[j] = _mm512_loadu_ps(x + j * xs + k * 16);
+    for (int j = 0; j < NF; ++j) xv[j] = _mm512_loadu_ps(x + j * xs + k * 16);
+    __m256 xh = _mm256_setzero_ps();
+    if constexpr (kHalf) xh = _mm256_loadu_ps(x + NF * xs + k * 16);
     for (int r = 0; r < NR; ++r) {
       const __m512 b = _mm512_set1_ps(w[r * kPanelLd + k]);
-      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_fmadd_ps(b, xv[j], acc[r][j]);
+      for (int j = 0; j < NF; ++j) acc[r][j] = _mm512_fmadd_ps(b, xv[j], acc[r][j]);
+      if constexpr (kHalf) half[r] = _mm256_fmadd_ps(_mm512_castps512_ps256(b), xh, half[r]);
     }
   }
-  for (int r = 0; r < NR; ++r)
-    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(c + r * ldc + j * 16, acc[r][j]);
+  for (int r = 0; r < NR; ++r) {
+    for (int j = 0; j < NF; ++j) _mm512_storeu_ps(c + r * ldc + j * 16, acc[r][j]);
+    if constexpr (kHalf) _mm512_storeu_ps(c + r * ldc + NF * 16, _mm512_zextps256_ps512(half[r]));
+  }
 }
 
 // bf16 activations: the same with column pairs: w rows (ldw elements apart) are bf16 in column order, so
 // one 32-bit broadcast is a (w[2p], w[2p + 1]) pair; x_j = x + j * xs is the tile layout of one 16-token block
-// ([pair][16 tokens][2]); kc / 2 VDPBF16PS steps.
-template <int NB, int NR>
+// ([pair][16 tokens][2], so tokens 0..7 of a pair are its first 256 bits); kc / 2 VDPBF16PS steps. kHalf as above.
+template <int NB, int NR, bool kHalf>
 void PanelKernelBf16(const uint16_t* w, int64_t ldw, const uint16_t* x, int64_t xs, int64_t kc, float* c,
                      int64_t ldc, bool first) {
+  constexpr int NF = kHalf ? NB - 1 : NB;
   __m512 acc[NR][NB];
-  for (int r = 0; r < NR; ++r)
-    for (int j = 0; j < NB; ++j) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + j * 16);
+  __m256 half[NR];
+  for (int r = 0; r < NR; ++r) {
+    for (int j = 0; j < NF; ++j) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + j * 16);
+    if constexpr (kHalf) half[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc + NF * 16);
+  }
   for (int64_t q = 0; q < kc / 2; ++q) {
     __m512bh xv[NB];
-    for (int j = 0; j < NB; ++j) xv[j] = AsBh(_mm512_loadu_si512(x + j * xs + q * 32));
+    for (int j = 0; j < NF; ++j) xv[j] = AsBh(_mm512_loadu_si512(x + j * xs + q * 32));
+    __m256bh xh{};
+    if constexpr (kHalf) xh = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + NF * xs + q * 32));
     for (int r = 0; r < NR; ++r) {
       uint32_t pair;
       std::memcpy(&pair, w + r * ldw + 2 * q, sizeof pair);
       const __m512bh b = AsBh(_mm512_set1_epi32(static_cast<int>(pair)));
-      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], b, xv[j]);
+      for (int j = 0; j < NF; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], b, xv[j]);
+      if constexpr (kHalf) {
+        half[r] = _mm256_dpbf16_ps(half[r], (__m256bh)_mm256_set1_epi32(static_cast<int>(pair)), xh);
+      }
     }
   }
-  for (int r = 0; r < NR; ++r)
-    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(c + r * ldc + j * 16, acc[r][j]);
+  for (int r = 0; r < NR; ++r) {
+    for (int j = 0; j < NF; ++j) _mm512_storeu_ps(c + r * ldc + j * 16, acc[r][j]);
+    if constexpr (kHalf) _mm512_storeu_ps(c + r * ldc + NF * 16, _mm512_zextps256_ps512(half[r]));
+  }
 }
 
 // Rows per microkernel call: 8 weight rows x up to 3 token blocks (24 accumulators).
@@ -387,6 +410,7 @@ void Panels(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t
         int64_t call = 0;
         for (int64_t p = 0; p < panels; ++p) {
           const int64_t q0 = s0 + sb * p / panels, nb = s0 + sb * (p + 1) / panels - q0;
+          const bool half = q0 + nb == blocks && m - (blocks - 1) * 16 <= 8;  // the last block, 8 tokens or fewer
           for (int64_t r = 0; r < rows; r += nr, ++call) {
             if (next_b >= 0) {
               const int64_t p0 = kPanelRows * call / calls, p1 = kPanelRows * (call + 1) / calls;
@@ -399,15 +423,23 @@ void Panels(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t
                                            : wdec16 + r * kPanelLdBf16;
               const int64_t ldw = inplace ? w.cols : kPanelLdBf16;
               const uint16_t* xb = static_cast<const uint16_t*>(xp) + q0 * xs + k0 * 16;
-              if (nb == 1) PanelKernelBf16<1, 8>(wr, ldw, xb, xs, kc, c, ldc, first);
-              else if (nb == 2) PanelKernelBf16<2, 8>(wr, ldw, xb, xs, kc, c, ldc, first);
-              else PanelKernelBf16<3, 8>(wr, ldw, xb, xs, kc, c, ldc, first);
+              if (nb == 1) {
+                (half ? PanelKernelBf16<1, 8, true> : PanelKernelBf16<1, 8, false>)(wr, ldw, xb, xs, kc, c, ldc, first);
+              } else if (nb == 2) {
+                (half ? PanelKernelBf16<2, 8, true> : PanelKernelBf16<2, 8, false>)(wr, ldw, xb, xs, kc, c, ldc, first);
+              } else {
+                (half ? PanelKernelBf16<3, 8, true> : PanelKernelBf16<3, 8, false>)(wr, ldw, xb, xs, kc, c, ldc, first);
+              }
             } else {
               const float* wr = wdec + r * kPanelLd;
               const float* xb = static_cast<const float*>(xp) + q0 * xs + k0 * 16;
-              if (nb == 1) PanelKernelF32<1, 8>(wr, xb, xs, kc, c, ldc, first);
-              else if (nb == 2) PanelKernelF32<2, 8>(wr, xb, xs, kc, c, ldc, first);
-              else PanelKernelF32<3, 8>(wr, xb, xs, kc, c, ldc, first);
+              if (nb == 1) {
+                (half ? PanelKernelF32<1, 8, true> : PanelKernelF32<1, 8, false>)(wr, xb, xs, kc, c, ldc, first);
+              } else if (nb == 2) {
+                (half ? PanelKernelF32<2, 8, true> : PanelKernelF32<2, 8, false>)(wr, xb, xs, kc, c, ldc, first);
+              } else {
+                (half ? PanelKernelF32<3, 8, true> : PanelKernelF32<3, 8, false>)(wr, xb, xs, kc, c, ldc, first);
+              }
             }
           }
         }
