@@ -405,7 +405,8 @@ void DotFp8Quads(const WeightView& w, const int64_t* rows, const float* x, int64
   __m512i nan_seen = _mm512_setzero_si512();
   const __m512 e8 = _mm512_set1_ps(8.0f);
   __m512 pa[MR][4], pb[MR][4];
-  // One 64-column chunk at column k of every weight row: whole (kFull: no mask) or the row's last, partial one.
+  // One 64-column chunk at column k of every weight row: whole (full is std::true_type: no mask) or the row's last,
+  // partial one (valid codes).
   auto chunk = [&](auto full, int64_t k, int64_t valid) {
     // the chunk's activations in registers for every weight row (as FMA memory operands each row would load them
     // again: a 512-bit load takes both of Zen 4's load pipes for a cycle)
