@@ -209,6 +209,9 @@ __m256i Fp8NanBytes(__m256i seen, __m256i codes) { return _mm256_max_epu8(seen, 
 bool Fp8SawNan(__m256i seen) {
   return _mm256_movemask_epi8(_mm256_cmpeq_epi8(seen, _mm256_set1_epi8(static_cast<char>(0xFE)))) != 0;
 }
+// The same for 64 codes at a time (the quad route).
+__m512i Fp8NanBytes(__m512i seen, __m512i codes) { return _mm512_max_epu8(seen, _mm512_add_epi8(codes, codes)); }
+bool Fp8SawNan(__m512i seen) { return _mm512_cmpeq_epi8_mask(seen, _mm512_set1_epi8(static_cast<char>(0xFE))) != 0; }
 bool Fp8RowHasNan(const uint8_t* row, int64_t cols) {
   for (int64_t k = 0; k < cols; ++k)
     if ((row[k] & 0x7F) == 0x7F) return true;
@@ -421,7 +424,7 @@ void DotFp8Quads(const WeightView& w, const int64_t* rows, const float* x, int64
       } else {
         codes = _mm512_maskz_loadu_epi8((1ull << valid) - 1, g.src[q] + k);
       }
-      if constexpr (!kFinite) nan_seen = _mm512_max_epu8(nan_seen, _mm512_add_epi8(codes, codes));
+      if constexpr (!kFinite) nan_seen = Fp8NanBytes(nan_seen, codes);
       __m512 v0, v1, v2, v3;
       Fp8QuadsToF32Scaled(codes, &v0, &v1, &v2, &v3);
       DSV4_UNROLL for (int i = 0; i < MR; ++i) {
@@ -454,10 +457,7 @@ void DotFp8Quads(const WeightView& w, const int64_t* rows, const float* x, int64
     }
   }
   StoreSums<MR, NQ>(acc, res, q0);
-  if constexpr (!kFinite) {
-    g.MarkNanRows<MR, NQ>(_mm512_cmpeq_epi8_mask(nan_seen, _mm512_set1_epi8(static_cast<char>(0xFE))) != 0, kw, res,
-                          q0);
-  }
+  if constexpr (!kFinite) g.MarkNanRows<MR, NQ>(Fp8SawNan(nan_seen), kw, res, q0);
 }
 
 // Weights the quad route can read: FP8 with scale blocks of whole 64-column chunks (the released checkpoints' 128).

@@ -194,14 +194,18 @@ void DecodePanelRows(const WeightView& w, int64_t n0, int64_t rows, int64_t k0, 
   }
 }
 
+// Rows per microkernel call: 8 weight rows x up to 3 token blocks (24 accumulators).
+constexpr int kPanelGroupRows = 8;
+
 // fp32 activations: c[r][16 j ..] (+)= sum over k < kc of w[r][k] * x_j[k] for 8 weight rows (kPanelLd floats
 // apart) and NB token blocks (x_j = x + j * xs, [kc][16] fp32); c rows are ldc floats apart. kHalf: the last
 // block holds at most 8 tokens, so it runs on 256-bit vectors (lanes 0..7; its lanes 8..15 of c are written as
 // zeros). Each lane's operation sequence is the same either way; on AMD Zen 4, which runs a 512-bit FMA as two
 // 256-bit halves, the half block costs half the FMA slots (the MoE experts' token counts leave such tails often).
-template <int NB, int NR, bool kHalf>
+template <int NB, bool kHalf>
 void PanelKernelF32(const float* w, const float* x, int64_t xs, int64_t kc, float* c, int64_t ldc, bool first) {
   constexpr int NF = kHalf ? NB - 1 : NB;  // full 16-lane blocks
+  constexpr int NR = kPanelGroupRows;
   __m512 acc[NR][NB];
   __m256 half[NR];
   for (int r = 0; r < NR; ++r) {
@@ -228,10 +232,11 @@ void PanelKernelF32(const float* w, const float* x, int64_t xs, int64_t kc, floa
 // bf16 activations: the same with column pairs: w rows (ldw elements apart) are bf16 in column order, so
 // one 32-bit broadcast is a (w[2p], w[2p + 1]) pair; x_j = x + j * xs is the tile layout of one 16-token block
 // ([pair][16 tokens][2], so tokens 0..7 of a pair are its first 256 bits); kc / 2 VDPBF16PS steps. kHalf as above.
-template <int NB, int NR, bool kHalf>
+template <int NB, bool kHalf>
 void PanelKernelBf16(const uint16_t* w, int64_t ldw, const uint16_t* x, int64_t xs, int64_t kc, float* c,
                      int64_t ldc, bool first) {
   constexpr int NF = kHalf ? NB - 1 : NB;
+  constexpr int NR = kPanelGroupRows;
   __m512 acc[NR][NB];
   __m256 half[NR];
   for (int r = 0; r < NR; ++r) {
@@ -258,9 +263,6 @@ void PanelKernelBf16(const uint16_t* w, int64_t ldw, const uint16_t* x, int64_t 
     if constexpr (kHalf) _mm512_storeu_ps(c + r * ldc + NF * 16, _mm512_zextps256_ps512(half[r]));
   }
 }
-
-// Rows per microkernel call: 8 weight rows x up to 3 token blocks (24 accumulators).
-constexpr int64_t kPanelGroupRows = 8;
 
 // Prefetches the source bytes of weight rows [n0, n0 + rows) x columns [k0, k0 + kc), the next block
 // the panels decode. A block's rows are short pieces of long rows (1 KiB of a bf16 row for 512 columns), which
@@ -424,21 +426,21 @@ void Panels(ActType act, const void* xp, int64_t m, const WeightView& w, int64_t
               const int64_t ldw = inplace ? w.cols : kPanelLdBf16;
               const uint16_t* xb = static_cast<const uint16_t*>(xp) + q0 * xs + k0 * 16;
               if (nb == 1) {
-                (half ? PanelKernelBf16<1, 8, true> : PanelKernelBf16<1, 8, false>)(wr, ldw, xb, xs, kc, c, ldc, first);
+                (half ? PanelKernelBf16<1, true> : PanelKernelBf16<1, false>)(wr, ldw, xb, xs, kc, c, ldc, first);
               } else if (nb == 2) {
-                (half ? PanelKernelBf16<2, 8, true> : PanelKernelBf16<2, 8, false>)(wr, ldw, xb, xs, kc, c, ldc, first);
+                (half ? PanelKernelBf16<2, true> : PanelKernelBf16<2, false>)(wr, ldw, xb, xs, kc, c, ldc, first);
               } else {
-                (half ? PanelKernelBf16<3, 8, true> : PanelKernelBf16<3, 8, false>)(wr, ldw, xb, xs, kc, c, ldc, first);
+                (half ? PanelKernelBf16<3, true> : PanelKernelBf16<3, false>)(wr, ldw, xb, xs, kc, c, ldc, first);
               }
             } else {
               const float* wr = wdec + r * kPanelLd;
               const float* xb = static_cast<const float*>(xp) + q0 * xs + k0 * 16;
               if (nb == 1) {
-                (half ? PanelKernelF32<1, 8, true> : PanelKernelF32<1, 8, false>)(wr, xb, xs, kc, c, ldc, first);
+                (half ? PanelKernelF32<1, true> : PanelKernelF32<1, false>)(wr, xb, xs, kc, c, ldc, first);
               } else if (nb == 2) {
-                (half ? PanelKernelF32<2, 8, true> : PanelKernelF32<2, 8, false>)(wr, xb, xs, kc, c, ldc, first);
+                (half ? PanelKernelF32<2, true> : PanelKernelF32<2, false>)(wr, xb, xs, kc, c, ldc, first);
               } else {
-                (half ? PanelKernelF32<3, 8, true> : PanelKernelF32<3, 8, false>)(wr, xb, xs, kc, c, ldc, first);
+                (half ? PanelKernelF32<3, true> : PanelKernelF32<3, false>)(wr, xb, xs, kc, c, ldc, first);
               }
             }
           }
