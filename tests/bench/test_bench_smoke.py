@@ -30,7 +30,7 @@ def test_smoke_runs_and_writes_results(smoke_run):
 
 def test_results_schema(smoke_run):
     from dsv4_ort.bench import SCHEMA
-    from dsv4_ort.bench.report import validate
+    from dsv4_ort.bench.report import SMALLEST, validate
 
     _, out, _ = smoke_run
     results = json.loads((out / "results.json").read_text())
@@ -53,6 +53,12 @@ def test_results_schema(smoke_run):
     # end to end: prefill and decode of the tiny model, with the bytes accounting of the decode step
     runs = [r for r in results["e2e"]["runs"] if r["impl"] == "dsv4-ort" and "time" in r]
     assert {r["kind"] for r in runs} == {"prefill", "decode"}
+    # the smallest weight option's decode beside it, with its quality against native
+    small = [r for r in results["e2e"]["runs"] if r["impl"] == SMALLEST and "time" in r]
+    assert small and all(r["kind"] == "decode" and r["tokens_per_s"] > 0 for r in small)
+    sm = results["e2e"]["smallest"]
+    assert (sm["head"], sm["dense"]) == ("fp4", "fp4") and 0 < sm["quality"]["nmse"] < 1
+    assert sm["accounting"][0]["bytes"]["per_token"] < results["e2e"]["accounting"][0]["bytes"]["per_token"]
     acc = results["e2e"]["accounting"]
     assert acc and acc[0]["bytes"]["total"] > 0 and acc[0]["roofline_tokens_per_s"] > 0
     # the step's time outside the kernels (profiler) and thread scaling from one thread up

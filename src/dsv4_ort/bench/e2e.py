@@ -295,15 +295,16 @@ def _stats(samples, units=1, meter=None, truncated=False) -> dict:
 
 
 def run_ours(model_dir: Path, *, cap: str, levels: dict, caps: list, threads: int, settings: dict, limits: dict,
-             deadline: float, log) -> tuple:
-    """Prefill and decode records for one ISA group, and the bytes accounting of each decode configuration."""
+             deadline: float, log, impl: str = "dsv4-ort") -> tuple:
+    """Prefill and decode records for one ISA group, and the bytes accounting of each decode configuration
+    (records named ``impl``: the native export's are "dsv4-ort")."""
     warm_page_cache(model_dir)
     meta_runner = OursRunner(model_dir, threads=threads, isa=cap)
     sess = meta_runner.sess
     meta = sess.meta
     wc = weight_costs(inventory(model_dir), meta["config"])
     rng = np.random.default_rng(0)
-    base = {"impl": "dsv4-ort", "isa_cap": cap, "isa_caps": caps, "levels": levels, "threads": sess.threads}
+    base = {"impl": impl, "isa_cap": cap, "isa_caps": caps, "levels": levels, "threads": sess.threads}
     records, accounting = [], []
     step_s = None
     try:

@@ -12,6 +12,12 @@ from .timing import fmt_time
 # Our decode measured a second time right after the llama.cpp runs (suite._run_e2e): not a baseline, the other end
 # of the range the speed-ups over llama.cpp are given as.
 AGAIN = "dsv4-ort (again, after llama.cpp)"
+# The smallest weight option (export --head fp4 --dense fp4; suite._run_smallest): decode only, timed beside the
+# native run and again after llama.cpp's, compared with the llama.cpp baselines only (its quality is not native's).
+SMALLEST = "dsv4-ort fp4 head+dense"
+SMALLEST_AGAIN = "dsv4-ort fp4 head+dense (again, after llama.cpp)"
+# Each of our e2e implementations -> its second run.
+OURS_AGAIN = {"dsv4-ort": AGAIN, SMALLEST: SMALLEST_AGAIN}
 
 BASELINE_LABELS = {
     "torch_fp32": "PyTorch ref fp32",
@@ -110,25 +116,29 @@ def ratios(results: dict) -> dict:
                                    "speedup": b["time"]["median_s"] / best["time"]["median_s"],
                                    "speedup_top_level": b["time"]["median_s"] / top["time"]["median_s"]})
     runs = [r for r in results.get("e2e", {}).get("runs", []) if _measured(r)]
-    ours = [r for r in runs if r["impl"] == "dsv4-ort"]
-    again = {(r.get("context"), r.get("batch")): r for r in runs if r["impl"] == AGAIN and r.get("kind") == "decode"}
-    for o in ours:
-        for b in runs:
-            if b["impl"] in ("dsv4-ort", AGAIN) or b.get("kind") != o.get("kind") or b.get("batch") != o.get("batch"):
-                continue
-            if o["kind"] == "prefill" and b.get("tokens") != o.get("tokens"):
-                continue
-            if o["kind"] == "decode" and b.get("context") != o.get("context"):
-                continue
-            rec = {"kind": o["kind"], "tokens": o.get("tokens"), "context": o.get("context"),
-                   "batch": o["batch"], "isa_cap": o.get("isa_cap"), "baseline": b["impl"],
-                   "ours_tokens_per_s": o["tokens_per_s"], "baseline_tokens_per_s": b["tokens_per_s"],
-                   "speedup": o["tokens_per_s"] / b["tokens_per_s"]}
-            a = again.get((o.get("context"), o.get("batch"))) if o["kind"] == "decode" else None
-            if a is not None and b["impl"].startswith("llama.cpp"):
-                rec["ours_again_tokens_per_s"] = a["tokens_per_s"]
-                rec["speedup_again"] = a["tokens_per_s"] / b["tokens_per_s"]
-            out["e2e"].append(rec)
+    mine = set(OURS_AGAIN) | set(OURS_AGAIN.values())
+    for impl, again_impl in OURS_AGAIN.items():
+        again = {(r.get("context"), r.get("batch")): r for r in runs
+                 if r["impl"] == again_impl and r.get("kind") == "decode"}
+        for o in (r for r in runs if r["impl"] == impl):
+            for b in runs:
+                if b["impl"] in mine or b.get("kind") != o.get("kind") or b.get("batch") != o.get("batch"):
+                    continue
+                if impl != "dsv4-ort" and not b["impl"].startswith("llama.cpp"):
+                    continue
+                if o["kind"] == "prefill" and b.get("tokens") != o.get("tokens"):
+                    continue
+                if o["kind"] == "decode" and b.get("context") != o.get("context"):
+                    continue
+                rec = {"ours": impl, "kind": o["kind"], "tokens": o.get("tokens"), "context": o.get("context"),
+                       "batch": o["batch"], "isa_cap": o.get("isa_cap"), "baseline": b["impl"],
+                       "ours_tokens_per_s": o["tokens_per_s"], "baseline_tokens_per_s": b["tokens_per_s"],
+                       "speedup": o["tokens_per_s"] / b["tokens_per_s"]}
+                a = again.get((o.get("context"), o.get("batch"))) if o["kind"] == "decode" else None
+                if a is not None and b["impl"].startswith("llama.cpp"):
+                    rec["ours_again_tokens_per_s"] = a["tokens_per_s"]
+                    rec["speedup_again"] = a["tokens_per_s"] / b["tokens_per_s"]
+                out["e2e"].append(rec)
     return out
 
 
@@ -255,7 +265,8 @@ def e2e_md(results: dict) -> list:
     pre = sorted({r["tokens"] for r in runs if r.get("kind") == "prefill"})
     probes = {r["tokens"] for r in runs if r.get("kind") == "prefill" and r.get("probe")}
     if pre:
-        pimpls = [i for i in impls if not i.startswith(AGAIN)]  # the second run of ours is decode only
+        pimpls = [i for i in impls if any(col(r) == i and r.get("kind") == "prefill" for r in runs)]  # not the
+        # decode-only runs (our second run, the smallest weight option)
         lines += ["Prefill, batch 1 (tokens/s; median of the repetitions):", "",
                   "| prompt tokens | " + " | ".join(pimpls) + " | roofline (ours) |",
                   "|---:|" + "---:|" * (len(pimpls) + 1)]
@@ -284,15 +295,29 @@ def e2e_md(results: dict) -> list:
         lines.append("")
     rat = results.get("ratios", {}).get("e2e", [])
     if rat:
-        lines.append("Speed-up of dsv4-ort: " + "; ".join(
-            f"{BASELINE_LABELS.get(r['baseline'], r['baseline'])} {r['kind']} "
-            + (f"{r['tokens']} tokens" if r["kind"] == "prefill" else f"ctx {r['context']} b{r['batch']}")
-            + f" x{r['speedup']:.2f}" + (f" / x{r['speedup_again']:.2f}" if "speedup_again" in r else "")
-            for r in rat))
+        for impl, label in (("dsv4-ort", "dsv4-ort"), (SMALLEST, f"the smallest weight option (`{SMALLEST}`)")):
+            mine = [r for r in rat if r.get("ours", "dsv4-ort") == impl]
+            if mine:
+                lines.append(f"Speed-up of {label}: " + "; ".join(
+                    f"{BASELINE_LABELS.get(r['baseline'], r['baseline'])} {r['kind']} "
+                    + (f"{r['tokens']} tokens" if r["kind"] == "prefill" else f"ctx {r['context']} b{r['batch']}")
+                    + f" x{r['speedup']:.2f}" + (f" / x{r['speedup_again']:.2f}" if "speedup_again" in r else "")
+                    for r in mine))
+                lines.append("")
         if any("speedup_again" in r for r in rat):
+            lines.append("(x before / after: against our decode measured before llama.cpp ran and again right "
+                         "after it, the `(again, after llama.cpp)` columns; the bandwidth this machine gets drifts "
+                         "within minutes.)")
             lines.append("")
-            lines.append(f"(x before / after: against our decode measured before llama.cpp ran and again right "
-                         f"after it, the `{AGAIN}` column; the bandwidth this machine gets drifts within minutes.)")
+    if sm := e.get("smallest"):
+        q = sm.get("quality") or {}
+        a = (sm.get("accounting") or [{}])[0]
+        per_token = a.get("bytes", {}).get("per_token")
+        lines.append(f"Smallest weight option: `dsv4-ort export --head {sm['head']} --dense {sm['dense']}` "
+                     f"({sm['weight_bytes'] / 1e9:.2f} GB"
+                     + (f", {per_token / 1e6:.0f} MB read per token at context {a['context']}" if per_token else "")
+                     + ")" + (f"; its quality against native, teacher-forced over {q['steps']} tokens: logit NMSE "
+                              f"{q['nmse']:.1e}, top-1 agreement {q['top1_agreement']:.3f}." if q else "."))
         lines.append("")
     if acc := e.get("accounting"):
         a = acc[0]

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from . import machine
-from .report import AGAIN
+from .report import AGAIN, SMALLEST, SMALLEST_AGAIN
 from .timing import error_text
 
 SCHEMA = "dsv4-ort-bench/1"
@@ -284,8 +284,21 @@ def _run_e2e(s, threads, caps, families, limits, wanted, e2e_isa, model_dir, log
             out["scaling"] = overhead.thread_scaling(mdir, thread_counts=counts, isa=want_caps[-1], context=ctx0,
                                                      prefill_tokens=min(settings["prefill_tokens"] or [16]),
                                                      steps=s.get("overhead_steps", 16) // 2)
+        # the smallest weight option (after the overhead measurement: its first export takes a minute), and again after
+        # llama.cpp's runs, below (whose budget check comes first: the export's minute is not theirs)
+        llama_due = "llama" in wanted and not model_dir and time.monotonic() < deadline
+        small_dir = None
+        if not model_dir:
+            try:
+                small_dir = _run_smallest(s, settings, mdir, cap_len, want_caps[-1], families, threads, limits,
+                                          deadline, log, out, SMALLEST)
+            except Exception as e:
+                msg = error_text(e)
+                out["runs"].append({"impl": SMALLEST, "error": msg})
+                results["errors"].append({"where": "e2e smallest weight option", "error": msg})
+                log(f"    smallest weight option failed: {msg}")
         # llama.cpp: the same preset converted by its own converter, timed by llama-bench in this run
-        if "llama" in wanted and not model_dir and time.monotonic() < deadline:
+        if llama_due:
             try:
                 llama_ran = True
                 out["runs"] += _run_llama(s, settings, threads, log)
@@ -311,6 +324,15 @@ def _run_e2e(s, threads, caps, families, limits, wanted, e2e_isa, model_dir, log
                     out["runs"].append({"impl": AGAIN, "error": msg})
                     results["errors"].append({"where": "e2e dsv4-ort again", "error": msg})
                     log(f"    dsv4-ort again failed: {msg}")
+                if small_dir is not None:
+                    try:
+                        _run_smallest(s, settings, small_dir, cap_len, want_caps[-1], families, threads, limits,
+                                      deadline, log, out, SMALLEST_AGAIN)
+                    except Exception as e:
+                        msg = error_text(e)
+                        out["runs"].append({"impl": SMALLEST_AGAIN, "error": msg})
+                        results["errors"].append({"where": "e2e smallest weight option again", "error": msg})
+                        log(f"    smallest weight option again failed: {msg}")
         # baselines
         from dsv4_ort.models import DeepseekV4Config
 
@@ -352,6 +374,48 @@ def _run_e2e(s, threads, caps, families, limits, wanted, e2e_isa, model_dir, log
         results["errors"].append({"where": "e2e", "error": msg})
         log(f"  end to end failed: {msg}")
     return out
+
+
+# The smallest weight option the exporter has (4.25 bits per weight in the LM head and the dense projections, the
+# routed experts FP4 as released): the one to put beside llama.cpp's Q4_K_M.
+SMALLEST_OPTION = {"head": "fp4", "dense": "fp4"}
+QUALITY_TOKENS = 32
+
+
+def _run_smallest(s, settings, model_dir, cap_len, cap, families, threads, limits, deadline, log, out, impl):
+    """Decode of the smallest weight option at every context (batch 1), recorded as ``impl``. The first call
+    (``impl`` SMALLEST, ``model_dir`` the native export) exports the option into the cache, measures its quality
+    against native (teacher-forced, :data:`QUALITY_TOKENS` tokens) into ``out["smallest"]`` and returns the option's
+    directory; the second (SMALLEST_AGAIN, after llama.cpp) passes that directory back."""
+    import numpy as np
+
+    from dsv4_ort.runtime import Session
+
+    from . import e2e as E
+    from . import formats
+
+    first = impl == SMALLEST
+    small = (formats.export_option(s["e2e_preset"], SMALLEST_OPTION["head"], SMALLEST_OPTION["dense"], cap_len, log)
+             if first else model_dir)
+    log(f"  dsv4-ort, smallest weight option (--head {SMALLEST_OPTION['head']} --dense {SMALLEST_OPTION['dense']})"
+        + ("" if first else ", again after llama.cpp"))
+    own = max(deadline, time.monotonic() + 0.25 * s["e2e_budget_s"])  # its own allowance, like our second run
+    recs, acc, wc = E.run_ours(small, cap=cap, levels=families[cap], caps=[cap], threads=threads,
+                               settings=dict(settings, prefill_tokens=[], batches=[1]), limits=limits,
+                               deadline=own, log=log, impl=impl)
+    out["runs"] += [r for r in recs if r.get("kind") == "decode"]
+    if first:
+        ids = np.random.default_rng(0).integers(0, 1 << 30, QUALITY_TOKENS)
+        logits = []
+        for d in (model_dir, small):
+            sess = Session(d, intra_op_threads=threads, isa=cap)
+            logits.append(formats.teacher_forced_logits(sess, ids % sess.vocab_size))
+            del sess
+        out["smallest"] = {**SMALLEST_OPTION, "dir": str(small), "weight_bytes": wc["total_bytes"],
+                           "quality": formats.quality(*logits), "accounting": acc}
+        q = out["smallest"]["quality"]
+        log(f"    quality against native: logit NMSE {q['nmse']:.2e}, top-1 agreement {q['top1_agreement']:.3f}")
+    return small
 
 
 def _run_llama(s, settings, threads, log) -> list:
