@@ -124,20 +124,22 @@ LINEAR_SHAPES = [
     ("smoke.fp8", "1024x1024 FP8 (smoke)", 1024, 1024, 1, "fp8", False, True),
 ]
 
-# onnxruntime's MatMulNBits against our 4-bit weights with products of the same class: the same shape as FP4
-# (`export --dense fp4`) with fp32 products beside MatMul fp32 and both MatMulNBits accuracy levels, and with bf16
-# products (`--compute bf16`) beside accuracy level 4 (int8 activations, its fastest path). The FP8 / bf16 shapes
-# above compare MatMulNBits too, but there it reads a quarter to a half of our weight bytes.
-# key, label, N, Kw, products (the op's compute attribute)
-FOUR_BIT_SHAPES = [
-    ("wq_a.flash.fp4", "wq_a Flash as FP4", 1024, 4096, "fp32"),
-    ("wq_a.flash.fp4.bf16", "wq_a Flash as FP4, bf16 products", 1024, 4096, "bf16"),
-    ("wo_b.flash.fp4", "wo_b Flash as FP4", 4096, 8192, "fp32"),
-    ("wo_b.flash.fp4.bf16", "wo_b Flash as FP4, bf16 products", 4096, 8192, "bf16"),
-    ("sq.fp4.bf16", "4096x4096 FP4 weight, bf16 products", 4096, 4096, "bf16"),
+# onnxruntime's MatMulNBits against our weights with products of the same class: the Flash shapes as FP4 (`export
+# --dense fp4`) with fp32 products beside MatMul fp32 and both MatMulNBits accuracy levels, and with bf16 products
+# (`--compute bf16`) beside accuracy level 4 (int8 activations, its fastest path); wq_a as FP8 (native) with bf16
+# products beside level 4. The FP8 / bf16 shapes above compare MatMulNBits with our fp32 products, and there it reads
+# a quarter to a half of our weight bytes.
+# key, label, N, Kw, weight format, products (the op's compute attribute)
+PRODUCT_TWINS = [
+    ("wq_a.flash.fp4", "wq_a Flash as FP4", 1024, 4096, "fp4", "fp32"),
+    ("wq_a.flash.fp4.bf16", "wq_a Flash as FP4, bf16 products", 1024, 4096, "fp4", "bf16"),
+    ("wo_b.flash.fp4", "wo_b Flash as FP4", 4096, 8192, "fp4", "fp32"),
+    ("wo_b.flash.fp4.bf16", "wo_b Flash as FP4, bf16 products", 4096, 8192, "fp4", "bf16"),
+    ("sq.fp4.bf16", "4096x4096 FP4 weight, bf16 products", 4096, 4096, "fp4", "bf16"),
+    ("wq_a.flash.fp8.bf16", "wq_a Flash (FP8), bf16 products", 1024, 4096, "fp8", "bf16"),
 ]
-FOUR_BIT_BASELINES = {"fp32": ("matmul_fp32", "matmulnbits_int4", "matmulnbits_int4_fp32"),
-                      "bf16": ("matmulnbits_int4",)}
+TWIN_BASELINES = {"fp32": ("matmul_fp32", "matmulnbits_int4", "matmulnbits_int4_fp32"),
+                  "bf16": ("matmulnbits_int4",)}
 
 
 def _weight_inputs(fmt: str, N: int, Kw: int, names=("weight", "scale"), lead=()) -> list:
@@ -207,20 +209,22 @@ def linear_cases(Ms, phase, *, smoke=False, quick=False, act="float32") -> list:
                 quick=in_quick, smoke=in_smoke))
     if smoke or quick or act != "float32":
         return out
-    for key, label, N, Kw, products in FOUR_BIT_SHAPES:
+    for key, label, N, Kw, fmt, products in PRODUCT_TWINS:
+        op = {"fp8": "LinearFp8", "fp4": "LinearFp4"}[fmt]
+        attrs = {"groups": 1, **({"block_size": 128} if fmt == "fp8" else {}),
+                 **({"compute": products} if products != "fp32" else {})}
         for M in Ms:
             x = _rand(rng, (M, Kw))
-            wbytes = N * Kw * WEIGHT_BYTES["fp4"] + _scale_bytes("fp4", N, Kw)
+            wbytes = N * Kw * WEIGHT_BYTES[fmt] + _scale_bytes(fmt, N, Kw)
             dense = [Input("x", "act", dtype="float", data=None), Input("weight", "weight", (N, Kw), "float")]
             out.append(KernelCase(
-                key=f"linear.{key}", group="Linear", op="LinearFp4", families=("linear",), label=label, phase=phase,
-                m=M, inputs=[_act("x", x)] + _weight_inputs("fp4", N, Kw), outputs=[("y", None, "float")],
-                attrs={"groups": 1} if products == "fp32" else {"groups": 1, "compute": products},
-                flops=2.0 * M * N * Kw, bytes=wbytes + 4 * M * (Kw + N), cold_bytes=wbytes,
-                shape={"M": M, "N": N, "K": Kw, "groups": 1, "weight": "fp4", "products": products},
+                key=f"linear.{key}", group="Linear", op=op, families=("linear",), label=label, phase=phase,
+                m=M, inputs=[_act("x", x)] + _weight_inputs(fmt, N, Kw), outputs=[("y", None, "float")],
+                attrs=attrs, flops=2.0 * M * N * Kw, bytes=wbytes + 4 * M * (Kw + N), cold_bytes=wbytes,
+                shape={"M": M, "N": N, "K": Kw, "groups": 1, "weight": fmt, "products": products},
                 torch_fn=lambda t, dt: _torch_linear(t, dt, 1), torch_inputs=[_act("x", x)] + dense[1:],
                 torch_dtypes=("float32",) if products == "fp32" else ("bfloat16",),
-                ort_baselines=FOUR_BIT_BASELINES[products]))
+                ort_baselines=TWIN_BASELINES[products]))
     return out
 
 
