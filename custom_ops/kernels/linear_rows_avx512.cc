@@ -164,12 +164,15 @@ void DotF32Bf16(const uint16_t* const* w, int64_t kw, const float* x, int64_t xs
   DSV4_UNROLL for (int i = 0; i < MR; ++i)
     DSV4_UNROLL for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_setzero_ps();
   const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t k = 0; k < kw; k += 32) {
-    const __mmask32 mask = Mask32(kw - k);
+  // Whole 32-column chunks unmasked, the partial last one masked (the same operations on the same values). AMD EPYC
+  // family 0x19 model 0x11, two cores, M = 1, in-process A/B against a mask per chunk: bench-preset head 129280 x
+  // 2048 from DRAM x0.93 while the machine read 45 GB/s, x1.00 at 34 GB/s (the one-row loop binds only above about
+  // 40 GB/s); 1024 x 4096 in L3 x0.95, from DRAM x0.92.
+  const auto chunk = [&](int64_t k, __mmask32 mask, bool whole) __attribute__((always_inline)) {
     __m512 we[4], wo[4];
     DSV4_UNROLL for (int q = 0; q < NQ; ++q) {
       if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w[q] + k) + kPrefetchBytes, _MM_HINT_T0);
-      const __m512i v = _mm512_maskz_loadu_epi16(mask, w[q] + k);
+      const __m512i v = whole ? _mm512_loadu_si512(w[q] + k) : _mm512_maskz_loadu_epi16(mask, w[q] + k);
       we[q] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
       wo[q] = _mm512_castsi512_ps(_mm512_and_si512(v, odd_mask));
     }
@@ -181,7 +184,10 @@ void DotF32Bf16(const uint16_t* const* w, int64_t kw, const float* x, int64_t xs
         acc[i][q] = _mm512_fmadd_ps(wo[q], xo, acc[i][q]);
       }
     }
-  }
+  };
+  int64_t k = 0;
+  for (; k + 32 <= kw; k += 32) chunk(k, 0, true);
+  if (k < kw) chunk(k, Mask32(kw - k), false);
   StoreSums<MR, NQ>(acc, res, q0);
 }
 
