@@ -18,9 +18,10 @@ DIR/summary.md (and PNG charts with --plot): the machine's limits (DRAM read ban
 instruction path), every op family at DeepSeek-V4 shapes for decode (M = 1..8) and prefill (M = 128..2048) at each
 ISA level with its roofline fraction, side by side with the PyTorch reference, torch bf16 GEMMs and onnxruntime's
 MatMul / MatMulNBits, and the bench preset end to end (prefill and decode tokens/s, bytes per decoded token, implied
-roofline tokens/s) next to the PyTorch reference and transformers. The default mode is the full suite (tens of
-minutes); --quick takes under two minutes once the bench model is in the cache; --smoke takes seconds (tiny shapes,
-checks that everything runs)."""
+roofline tokens/s; the smallest weight option's decode and quality beside it) next to the PyTorch reference,
+transformers and llama.cpp when found. The default mode is the full suite (tens of minutes); --quick takes about four
+minutes on 2 cores once the bench models are in the cache; --smoke takes seconds (tiny shapes, checks that everything
+runs)."""
 
 
 def _levels(text: str) -> list:
@@ -92,7 +93,8 @@ def check_out_dir(path: str) -> None:
 
 def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="headline cases only (< 2 min with the model cached)")
+    mode.add_argument("--quick", action="store_true",
+                      help="headline cases only (about 4 min on 2 cores with the models cached)")
     mode.add_argument("--smoke", action="store_true", help="tiny shapes and the tiny preset (seconds; for CI)")
     p.add_argument("--out", default="bench-results", metavar="DIR", help="output directory (default: bench-results)")
     p.add_argument("--plot", action="store_true", help="also write PNG charts (needs matplotlib: the bench extra)")

@@ -1,9 +1,13 @@
 """The benchmark run: settings per mode, the order of the sections, and the results document.
 
 Modes: ``smoke`` (seconds: tiny shapes and the tiny preset; checks that everything runs and the output is
-complete, the numbers mean little), ``quick`` (under two minutes on a 2-core machine once the bench model is in
+complete, the numbers mean little), ``quick`` (about four minutes on a 2-core machine once the bench models are in
 the cache: the headline kernels at decode M=1 and one prefill size, the end-to-end model at two contexts) and
 ``full`` (every case, M = 1/4/8 and 128/512/2048, contexts 256/4096/16384, batch 1 and 4, every baseline).
+
+End to end: ours (native export) at the top ISA level, the per-step overhead and thread scaling, the smallest weight
+option (``--head fp4 --dense fp4``: decode and its quality against native), llama.cpp when found, ours and the
+smallest option again right after llama.cpp (the bandwidth drifts), then the PyTorch / transformers baselines.
 
 Order: machine limits first, kernels, end to end, then the bandwidth probe again (so the roofs bracket the run and
 show drift), then the outputs. Interference from other processes is measured for every figure
