@@ -20,6 +20,8 @@
 // denormal that bf16 cannot hold).
 // Horizontal sums, decoding and stores do not depend on how rows are grouped, so results are independent of the
 // task split.
+#include <type_traits>
+
 #include "custom_ops/kernels/isa_prelude.h"
 
 #include "custom_ops/kernels/linear_avx512_internal.h"
@@ -164,15 +166,21 @@ void DotF32Bf16(const uint16_t* const* w, int64_t kw, const float* x, int64_t xs
   DSV4_UNROLL for (int i = 0; i < MR; ++i)
     DSV4_UNROLL for (int q = 0; q < NQ; ++q) acc[i][q] = _mm512_setzero_ps();
   const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  // Whole 32-column chunks unmasked, the partial last one masked (the same operations on the same values). AMD EPYC
+  // Whole 32-column chunks (full: std::true_type) unmasked, the partial last one masked (the same operations on the
+  // same values; DotFp8Quads' chunk does the same). AMD EPYC
   // family 0x19 model 0x11, two cores, M = 1, in-process A/B against a mask per chunk: bench-preset head 129280 x
   // 2048 from DRAM x0.93 while the machine read 45 GB/s, x1.00 at 34 GB/s (the one-row loop binds only above about
   // 40 GB/s); 1024 x 4096 in L3 x0.95, from DRAM x0.92.
-  const auto chunk = [&](int64_t k, __mmask32 mask, bool whole) __attribute__((always_inline)) {
+  const auto chunk = [&](auto full, int64_t k, __mmask32 mask) {
     __m512 we[4], wo[4];
     DSV4_UNROLL for (int q = 0; q < NQ; ++q) {
       if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w[q] + k) + kPrefetchBytes, _MM_HINT_T0);
-      const __m512i v = whole ? _mm512_loadu_si512(w[q] + k) : _mm512_maskz_loadu_epi16(mask, w[q] + k);
+      __m512i v;
+      if constexpr (decltype(full)::value) {
+        v = _mm512_loadu_si512(w[q] + k);
+      } else {
+        v = _mm512_maskz_loadu_epi16(mask, w[q] + k);
+      }
       we[q] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
       wo[q] = _mm512_castsi512_ps(_mm512_and_si512(v, odd_mask));
     }
@@ -186,8 +194,8 @@ void DotF32Bf16(const uint16_t* const* w, int64_t kw, const float* x, int64_t xs
     }
   };
   int64_t k = 0;
-  for (; k + 32 <= kw; k += 32) chunk(k, 0, true);
-  if (k < kw) chunk(k, Mask32(kw - k), false);
+  for (; k + 32 <= kw; k += 32) chunk(std::true_type{}, k, 0);
+  if (k < kw) chunk(std::false_type{}, k, Mask32(kw - k));
   StoreSums<MR, NQ>(acc, res, q0);
 }
 

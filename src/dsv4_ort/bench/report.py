@@ -12,7 +12,7 @@ from .timing import fmt_time
 # Our decode measured a second time right after the llama.cpp runs (suite._run_e2e): not a baseline, the other end
 # of the range the speed-ups over llama.cpp are given as.
 AGAIN = "dsv4-ort (again, after llama.cpp)"
-# The smallest weight option (export --head fp4 --dense fp4; suite._run_smallest): decode only, timed beside the
+# The smallest weight option (export --head fp4 --dense fp4; suite._run_e2e): decode only, timed beside the
 # native run and again after llama.cpp's, compared with the llama.cpp baselines only (its quality is not native's).
 SMALLEST = "dsv4-ort fp4 head+dense"
 SMALLEST_AGAIN = "dsv4-ort fp4 head+dense (again, after llama.cpp)"

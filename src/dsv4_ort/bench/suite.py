@@ -288,55 +288,57 @@ def _run_e2e(s, threads, caps, families, limits, wanted, e2e_isa, model_dir, log
             out["scaling"] = overhead.thread_scaling(mdir, thread_counts=counts, isa=want_caps[-1], context=ctx0,
                                                      prefill_tokens=min(settings["prefill_tokens"] or [16]),
                                                      steps=s.get("overhead_steps", 16) // 2)
+        top = want_caps[-1]
+
+        def decode_b1(model, impl):
+            """Decode only, batch 1, every context, recorded as ``impl``, with its own time allowance (a quarter of
+            the section) so a late run still measures; returns run_ours' accounting and weight costs."""
+            own = max(deadline, time.monotonic() + 0.25 * s["e2e_budget_s"])
+            recs, acc, wc = E.run_ours(model, cap=top, levels=families[top], caps=[top], threads=threads,
+                                       settings=dict(settings, prefill_tokens=[], batches=[1]), limits=limits,
+                                       deadline=own, log=log, impl=impl)
+            out["runs"] += [r for r in recs if r.get("kind") == "decode"]
+            return acc, wc
+
+        def failed(impl, where, e):
+            msg = error_text(e)
+            out["runs"].append({"impl": impl, "error": msg})
+            results["errors"].append({"where": where, "error": msg})
+            log(f"    {where} failed: {msg}")
+
         # the smallest weight option (after the overhead measurement: its first export takes a minute), and again after
         # llama.cpp's runs, below (whose budget check comes first: the export's minute is not theirs)
         llama_due = "llama" in wanted and not model_dir and time.monotonic() < deadline
         small_dir = None
         if not model_dir:
             try:
-                small_dir = _run_smallest(s, settings, mdir, cap_len, want_caps[-1], families, threads, limits,
-                                          deadline, log, out, SMALLEST)
+                log(f"  dsv4-ort, smallest weight option (--head {SMALLEST_OPTION['head']} "
+                    f"--dense {SMALLEST_OPTION['dense']})")
+                small_dir = _export_smallest(s, cap_len, log)
+                acc, wc = decode_b1(small_dir, SMALLEST)
+                out["smallest"] = _smallest_quality(mdir, small_dir, threads, top, log)
+                out["smallest"].update(weight_bytes=wc["total_bytes"], accounting=acc)
             except Exception as e:
-                msg = error_text(e)
-                out["runs"].append({"impl": SMALLEST, "error": msg})
-                results["errors"].append({"where": "e2e smallest weight option", "error": msg})
-                log(f"    smallest weight option failed: {msg}")
+                failed(SMALLEST, "e2e smallest weight option", e)
         # llama.cpp: the same preset converted by its own converter, timed by llama-bench in this run
         if llama_due:
             try:
-                llama_ran = True
                 out["runs"] += _run_llama(s, settings, threads, log)
+                llama_ran = True
             except Exception as e:
                 llama_ran = False
-                msg = error_text(e)
-                out["runs"].append({"impl": "llama.cpp", "error": msg})
-                results["errors"].append({"where": "e2e llama.cpp", "error": msg})
-                log(f"    llama.cpp failed: {msg}")
+                failed("llama.cpp", "e2e llama.cpp", e)
             # ours again, right after: this machine's bandwidth drifts within minutes, so the speed-up over llama.cpp
             # is given as the range over our decode before and after its runs (report.ratios)
             if llama_ran:
-                try:
-                    log("  dsv4-ort decode again, after llama.cpp")
-                    again = dict(settings, prefill_tokens=[], batches=[1])
-                    again_deadline = max(deadline, time.monotonic() + 0.25 * s["e2e_budget_s"])  # its own allowance
-                    recs, _, _ = E.run_ours(mdir, cap=want_caps[-1], levels=families[want_caps[-1]],
-                                            caps=[want_caps[-1]], threads=threads, settings=again, limits=limits,
-                                            deadline=again_deadline, log=log)
-                    out["runs"] += [{**r, "impl": AGAIN} for r in recs if r.get("kind") == "decode"]
-                except Exception as e:
-                    msg = error_text(e)
-                    out["runs"].append({"impl": AGAIN, "error": msg})
-                    results["errors"].append({"where": "e2e dsv4-ort again", "error": msg})
-                    log(f"    dsv4-ort again failed: {msg}")
-                if small_dir is not None:
+                for model, impl in ((mdir, AGAIN), (small_dir, SMALLEST_AGAIN)):
+                    if model is None:
+                        continue
                     try:
-                        _run_smallest(s, settings, small_dir, cap_len, want_caps[-1], families, threads, limits,
-                                      deadline, log, out, SMALLEST_AGAIN)
+                        log(f"  {impl}")
+                        decode_b1(model, impl)
                     except Exception as e:
-                        msg = error_text(e)
-                        out["runs"].append({"impl": SMALLEST_AGAIN, "error": msg})
-                        results["errors"].append({"where": "e2e smallest weight option again", "error": msg})
-                        log(f"    smallest weight option again failed: {msg}")
+                        failed(impl, f"e2e {impl}", e)
         # baselines
         from dsv4_ort.models import DeepseekV4Config
 
@@ -386,40 +388,30 @@ SMALLEST_OPTION = {"head": "fp4", "dense": "fp4"}
 QUALITY_TOKENS = 32
 
 
-def _run_smallest(s, settings, model_dir, cap_len, cap, families, threads, limits, deadline, log, out, impl):
-    """Decode of the smallest weight option at every context (batch 1), recorded as ``impl``. The first call
-    (``impl`` SMALLEST, ``model_dir`` the native export) exports the option into the cache, measures its quality
-    against native (teacher-forced, :data:`QUALITY_TOKENS` tokens) into ``out["smallest"]`` and returns the option's
-    directory; the second (SMALLEST_AGAIN, after llama.cpp) passes that directory back."""
+def _export_smallest(s, cap_len, log):
+    """The preset exported with :data:`SMALLEST_OPTION` into the bench cache (once); returns its directory."""
+    from . import formats
+
+    return formats.export_option(s["e2e_preset"], SMALLEST_OPTION["head"], SMALLEST_OPTION["dense"], cap_len, log)
+
+
+def _smallest_quality(native_dir, small_dir, threads, cap, log) -> dict:
+    """The smallest option against native, teacher-forced over :data:`QUALITY_TOKENS` random tokens."""
     import numpy as np
 
     from dsv4_ort.runtime import Session
 
-    from . import e2e as E
     from . import formats
 
-    first = impl == SMALLEST
-    small = (formats.export_option(s["e2e_preset"], SMALLEST_OPTION["head"], SMALLEST_OPTION["dense"], cap_len, log)
-             if first else model_dir)
-    log(f"  dsv4-ort, smallest weight option (--head {SMALLEST_OPTION['head']} --dense {SMALLEST_OPTION['dense']})"
-        + ("" if first else ", again after llama.cpp"))
-    own = max(deadline, time.monotonic() + 0.25 * s["e2e_budget_s"])  # its own allowance, like our second run
-    recs, acc, wc = E.run_ours(small, cap=cap, levels=families[cap], caps=[cap], threads=threads,
-                               settings=dict(settings, prefill_tokens=[], batches=[1]), limits=limits,
-                               deadline=own, log=log, impl=impl)
-    out["runs"] += [r for r in recs if r.get("kind") == "decode"]
-    if first:
-        ids = np.random.default_rng(0).integers(0, 1 << 30, QUALITY_TOKENS)
-        logits = []
-        for d in (model_dir, small):
-            sess = Session(d, intra_op_threads=threads, isa=cap)
-            logits.append(formats.teacher_forced_logits(sess, ids % sess.vocab_size))
-            del sess
-        out["smallest"] = {**SMALLEST_OPTION, "dir": str(small), "weight_bytes": wc["total_bytes"],
-                           "quality": formats.quality(*logits), "accounting": acc}
-        q = out["smallest"]["quality"]
-        log(f"    quality against native: logit NMSE {q['nmse']:.2e}, top-1 agreement {q['top1_agreement']:.3f}")
-    return small
+    ids = np.random.default_rng(0).integers(0, 1 << 30, QUALITY_TOKENS)
+    logits = []
+    for d in (native_dir, small_dir):
+        sess = Session(d, intra_op_threads=threads, isa=cap)
+        logits.append(formats.teacher_forced_logits(sess, ids % sess.vocab_size))
+        del sess
+    q = formats.quality(*logits)
+    log(f"    quality against native: logit NMSE {q['nmse']:.2e}, top-1 agreement {q['top1_agreement']:.3f}")
+    return {**SMALLEST_OPTION, "dir": str(small_dir), "quality": q}
 
 
 def _run_llama(s, settings, threads, log) -> list:
